@@ -1,0 +1,248 @@
+"""The per-node agent behind ``hp run``.
+
+It joins the job through the controller (hosting it on node 0 unless the controller is external),
+spawns this node's workers, watches them and heartbeats. A dead worker is *reported*; the
+controller decides (restart that worker only, or stop the job) and healthy workers keep running.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+
+from torch.distributed.elastic.multiprocessing import Std
+from torch.distributed.elastic.multiprocessing.api import SignalException
+
+from hp.core import auth
+from hp.core.config import RunConfig
+from hp.core.control_plane import ControlClient, ControlServer
+from hp.core.controller import Controller, ControllerConfig
+from hp.core.errors import ControlPlaneError, HpError
+from hp.core.plugins import get_backend
+from hp.core.store import StoreServer
+from hp.core.workers import Worker, python_command
+
+
+def say(message: str) -> None:
+    print(f"hp run: {message}", file=sys.stderr, flush=True)
+
+
+@dataclass
+class Assignment:
+    """What the rendezvous gave this node."""
+
+    generation: int
+    world_size: int
+    rank_offset: int
+    store_host: str
+    store_port: int
+
+
+class JobFailed(HpError):
+    """The controller stopped the job; the message says which rank failed and why."""
+
+
+def _raise_signal(signum: int, frame: object) -> None:
+    raise SignalException(f"received {signal.Signals(signum).name}", sigval=signal.Signals(signum))
+
+
+class Agent:
+    def __init__(self, config: RunConfig, token: str) -> None:
+        config.validate()
+        self.cfg = config
+        self.token = token
+        self.transport = get_backend("transport", config.transport)
+        self.transport.check_available()
+        self.store_backend = get_backend("store", config.store)
+        self.log_dir = config.log_dir or tempfile.mkdtemp(prefix=f"hp_{config.run_id}_")
+        self.generation = 0
+        self.workers: list[Worker] = []
+        self._server: ControlServer | None = None
+        self._store: StoreServer | None = None
+        self._done_reported = False
+
+    # ---- lifecycle ----------------------------------------------------------------------
+    def run(self) -> int:
+        """Run this node's part of the job; returns the exit code for ``hp run``."""
+        previous = {s: signal.signal(s, _raise_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+        try:
+            client = self._connect()
+            assignment = self._rendezvous(client)
+            self._start_workers(assignment)
+            return self._monitor(client)
+        except SignalException as e:
+            self._stop_workers(e.sigval)
+            self._tell_stopping(e.sigval.name)
+            say(f"stopped by {e.sigval.name}; workers were sent {e.sigval.name}")
+            return 128 + int(e.sigval)
+        except JobFailed as e:
+            self._stop_workers(signal.SIGTERM)
+            say(f"job failed: {e}")
+            if self._server and self.cfg.nnodes > 1:
+                time.sleep(2 * self.cfg.heartbeat_interval_s)  # let the other agents hear why
+            return 1
+        finally:
+            self._stop_workers(signal.SIGTERM)
+            if self._server:
+                self._server.stop()
+            if self._store:
+                self._store.close()
+            for s, handler in previous.items():
+                signal.signal(s, handler)
+
+    def _connect(self) -> ControlClient:
+        if self.cfg.hosts_controller:
+            self._host_controller()
+            say(f"controller at {self._server.endpoint}, store at {self._store.host}:{self._store.port}, "
+                f"logs in {self.log_dir}")
+            return ControlClient(self._server.endpoint, self.token)
+        return ControlClient(str(self.cfg.controller_endpoint), self.token)
+
+    def _host_controller(self) -> None:
+        ep = self.cfg.controller_endpoint
+        self._store = self.store_backend.serve(ep.host, 0)
+        controller = Controller(ControllerConfig(
+            nnodes=self.cfg.nnodes,
+            max_restarts=self.cfg.max_restarts,
+            heartbeat_timeout_s=self.cfg.heartbeat_timeout_s,
+            store_host=self._store.host,
+            store_port=self._store.port,
+            decision_log=os.path.join(self.log_dir, "controller_decisions.jsonl"),
+        ))
+        self._server = ControlServer(controller, self.token, ep.host, ep.port).start()
+
+    def _call_until(self, client: ControlClient, verb: str, payload: dict, done, what: str) -> dict:
+        """Retry ``verb`` until ``done(answer)`` or the rendezvous timeout; unreachable is retried."""
+        deadline = time.monotonic() + self.cfg.rdzv_timeout_s
+        last_error = "no answer"
+        while time.monotonic() < deadline:
+            try:
+                answer = client.call(verb, payload)
+                if done(answer):
+                    return answer
+            except ControlPlaneError as e:
+                if e.status:  # an answer that refuses is final
+                    raise JobFailed(str(e)) from None
+                last_error = str(e)
+            time.sleep(0.1)
+        raise JobFailed(f"{what} timed out after {self.cfg.rdzv_timeout_s:.0f} s ({last_error})")
+
+    def _rendezvous(self, client: ControlClient) -> Assignment:
+        me = {"node_rank": self.cfg.node_rank}
+        self._call_until(client, "join", {**me, "nproc": self.cfg.nproc_per_node, "host": socket.gethostname()},
+                         lambda a: True, "joining the controller")
+        a = self._call_until(client, "rendezvous", me, lambda a: a["state"] != "rendezvous", "rendezvous")
+        if a["state"] != "running":
+            raise JobFailed(a.get("reason") or f"job is {a['state']}")
+        self.generation = a["generation"]
+        return Assignment(a["generation"], a["world_size"], a["rank_offset"], a["store_host"], a["store_port"])
+
+    # ---- workers ------------------------------------------------------------------------
+    def _start_workers(self, a: Assignment) -> None:
+        command = python_command(self.cfg.entrypoint, self.cfg.args, self.cfg.module)
+        self._assignment = a
+        for local_rank in range(self.cfg.nproc_per_node):
+            worker = Worker(a.rank_offset + local_rank, local_rank, command, self.log_dir, Std(self.cfg.tee))
+            self.workers.append(worker)
+            worker.start(self._worker_env(worker))
+
+    def _worker_env(self, w: Worker) -> dict[str, str]:
+        a = self._assignment
+        env = {k: v for k, v in self.transport.env_defaults().items() if k not in os.environ}
+        if self.cfg.nproc_per_node > 1 and "OMP_NUM_THREADS" not in os.environ:
+            env["OMP_NUM_THREADS"] = "1"  # as torchrun: N ranks on one host must not oversubscribe
+        env.update({
+            "RANK": str(w.rank), "LOCAL_RANK": str(w.local_rank),
+            "WORLD_SIZE": str(a.world_size), "LOCAL_WORLD_SIZE": str(self.cfg.nproc_per_node),
+            "GROUP_RANK": str(self.cfg.node_rank), "GROUP_WORLD_SIZE": str(self.cfg.nnodes),
+            "ROLE_RANK": str(w.rank), "ROLE_WORLD_SIZE": str(a.world_size), "ROLE_NAME": "default",
+            "MASTER_ADDR": a.store_host, "MASTER_PORT": str(a.store_port),
+            # the store is hosted by the controller: every rank, rank 0 included, is a client
+            "TORCHELASTIC_USE_AGENT_STORE": "True",
+            "TORCHELASTIC_RUN_ID": self.cfg.run_id,
+            "TORCHELASTIC_MAX_RESTARTS": str(self.cfg.max_restarts),
+            "HP_GENERATION": str(self.generation),
+            "HP_CONTROLLER": self._client_endpoint(),
+            auth.TOKEN_ENV: self.token,
+            "HP_TRANSPORT": self.transport.name,
+            "HP_STORE": self.store_backend.name,
+            "HP_NODE_RANK": str(self.cfg.node_rank),
+            "HP_RUN_ID": self.cfg.run_id,
+        })
+        return env
+
+    def _client_endpoint(self) -> str:
+        return self._server.endpoint if self._server else str(self.cfg.controller_endpoint)
+
+    def _stop_workers(self, sig: signal.Signals) -> None:
+        for w in self.workers:
+            w.stop(sig)
+
+    # ---- monitoring ---------------------------------------------------------------------
+    def _monitor(self, client: ControlClient) -> int:
+        next_beat = 0.0
+        while True:
+            for w in self.workers:
+                if w.running and (status := w.poll()) is not None and not status.ok:
+                    self._on_failure(client, w)
+            if time.monotonic() >= next_beat:
+                next_beat = time.monotonic() + self.cfg.heartbeat_interval_s
+                beat = self._call(client, "heartbeat", {})
+                self.generation = max(self.generation, beat["generation"])
+                if beat["state"] == "failed":
+                    raise JobFailed(beat["reason"])
+                if beat["state"] == "succeeded":
+                    return 0
+            if not self._done_reported and all(w.exit and w.exit.ok for w in self.workers):
+                self._call(client, "node_done", {}, fenced=True)
+                self._done_reported = True
+                if not self.cfg.hosts_controller:
+                    say(f"node {self.cfg.node_rank}: all {len(self.workers)} workers succeeded")
+                    return 0
+                next_beat = 0.0
+            time.sleep(self.cfg.monitor_interval_s)
+
+    def _call(self, client: ControlClient, verb: str, payload: dict, fenced: bool = False) -> dict:
+        """One request stamped with this node and generation. A stale-generation refusal is
+        answered by catching up to the controller's generation and asking again, once; an
+        unreachable controller is retried for up to the heartbeat timeout."""
+        deadline = time.monotonic() + self.cfg.heartbeat_timeout_s
+        caught_up = False
+        while True:
+            try:
+                return client.call(verb, {**payload, "node_rank": self.cfg.node_rank, "generation": self.generation})
+            except ControlPlaneError as e:
+                if not e.status and time.monotonic() < deadline:
+                    time.sleep(0.2)
+                    continue
+                if fenced and not caught_up and e.status == 409 and "generation" in e.body:
+                    self.generation, caught_up = e.body["generation"], True
+                    continue
+                raise JobFailed(e.body.get("reason") or str(e)) from None
+
+    def _on_failure(self, client: ControlClient, w: Worker) -> None:
+        st = w.exit
+        cause = f"killed by {st.signal}" if st.signal else f"exit code {st.exitcode}"
+        say(f"rank {w.rank} (local_rank {w.local_rank}, pid {st.pid}) failed: {cause}; reporting to the controller")
+        decision = self._call(client, "worker_failed", {
+            "local_rank": w.local_rank, "pid": st.pid, "exitcode": st.exitcode,
+            "signal": st.signal, "message": st.message,
+        }, fenced=True)
+        if decision["action"] != "restart":
+            raise JobFailed(decision["reason"])
+        self.generation = decision["generation"]
+        w.restarts += 1
+        w.start(self._worker_env(w))
+        say(f"restarted rank {w.rank} as pid {w.pid} (generation {self.generation}, restart {w.restarts})")
+
+    def _tell_stopping(self, why: str) -> None:
+        try:
+            ControlClient(self._client_endpoint(), self.token, timeout_s=2).call(
+                "node_stopping", {"node_rank": self.cfg.node_rank, "generation": self.generation, "reason": why})
+        except ControlPlaneError:
+            pass  # the controller may be gone already; stopping goes on regardless

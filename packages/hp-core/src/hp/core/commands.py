@@ -1,0 +1,153 @@
+"""hp-core's sub-commands: ``hp run``, ``hp controller``, ``hp backends``, ``hp token``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import time
+
+from hp.core import auth
+from hp.core.config import RunConfig, parse_endpoint
+from hp.core.errors import UsageError
+from hp.core.hookspecs import hookimpl
+
+
+def _read_token(args: argparse.Namespace, required: bool) -> str:
+    if getattr(args, "token_file", None):
+        try:
+            with open(args.token_file) as f:
+                token = f.read().strip()
+        except OSError as e:
+            raise UsageError(f"--token-file: {e.strerror}: {args.token_file}") from None
+        if not token:
+            raise UsageError(f"--token-file {args.token_file} is empty")
+        return token
+    token = auth.token_from_env()
+    if token:
+        return token
+    if required:
+        raise UsageError(f"a shared job token is required: set {auth.TOKEN_ENV} or --token-file "
+                         "(`hp token` prints a new one)")
+    return auth.new_token()
+
+
+def _add_run(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("run", help="run this node's agent and workers (torchrun-like)")
+    a = p.add_argument
+    a("--nnodes", type=int, default=1, help="number of nodes (agents) in the job")
+    a("--nproc-per-node", "--nproc_per_node", type=int, default=1, help="workers on this node")
+    a("--node-rank", "--node_rank", type=int, default=0, help="this node's rank in [0, nnodes)")
+    a("--rdzv-endpoint", "--rdzv_endpoint", default=None,
+      help="controller HOST:PORT; node 0 hosts it there unless --external-controller")
+    a("--external-controller", action="store_true", help="a standalone `hp controller` runs this job")
+    a("--max-restarts", "--max_restarts", type=int, default=0, help="worker restarts the job tolerates")
+    a("--monitor-interval", "--monitor_interval", type=float, default=0.1, help="seconds between worker polls")
+    a("--heartbeat-interval", type=float, default=1.0, help="seconds between agent heartbeats")
+    a("--heartbeat-timeout", type=float, default=30.0, help="seconds of silence before a node counts as lost")
+    a("--rdzv-timeout", type=float, default=300.0, help="seconds to wait for every node to join")
+    a("--log-dir", "--log_dir", default=None, help="worker logs go to LOG_DIR/rank<R>/attempt_<k>/")
+    a("--tee", type=int, default=3, help="streams echoed with a [rankN]: prefix: 0 none, 1 out, 2 err, 3 both")
+    a("--spares", type=int, default=0, help="hot spare processes (hp-checkpointless)")
+    a("--transport", default="gloo", help="collective transport plugin (see `hp backends`)")
+    a("--store", default="tcp", help="coordination store plugin")
+    a("--run-id", default=None, help="job id shared by every node (default: random)")
+    a("--token-file", default=None, help=f"file holding the job token (default: ${auth.TOKEN_ENV})")
+    a("-m", "--module", action="store_true", help="run the entrypoint as a Python module")
+    a("entrypoint", help="training script (or module with -m)")
+    a("args", nargs=argparse.REMAINDER, help="arguments for the training script")
+    p.set_defaults(handler=_run)
+
+
+def _run(args: argparse.Namespace) -> int:
+    from hp.core.agent import Agent
+
+    cfg = RunConfig(
+        entrypoint=args.entrypoint, args=list(args.args), module=args.module,
+        nnodes=args.nnodes, nproc_per_node=args.nproc_per_node, node_rank=args.node_rank,
+        rdzv_endpoint=parse_endpoint(args.rdzv_endpoint) if args.rdzv_endpoint else None,
+        external_controller=args.external_controller, max_restarts=args.max_restarts,
+        monitor_interval_s=args.monitor_interval, heartbeat_interval_s=args.heartbeat_interval,
+        heartbeat_timeout_s=args.heartbeat_timeout, rdzv_timeout_s=args.rdzv_timeout,
+        log_dir=args.log_dir, tee=args.tee, spares=args.spares, transport=args.transport, store=args.store,
+    )
+    if args.run_id:
+        cfg.run_id = args.run_id
+    cfg.validate()
+    token = _read_token(args, required=cfg.nnodes > 1 or cfg.external_controller)
+    return Agent(cfg, token).run()
+
+
+def _add_controller(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("controller", help="run a job's controller (and its store) standalone")
+    p.add_argument("--host", default="127.0.0.1", help="interface to bind (default loopback)")
+    p.add_argument("--port", type=int, default=29400)
+    p.add_argument("--nnodes", type=int, required=True)
+    p.add_argument("--max-restarts", type=int, default=0)
+    p.add_argument("--heartbeat-timeout", type=float, default=30.0)
+    p.add_argument("--store", default="tcp", help="coordination store plugin")
+    p.add_argument("--decision-log", default=None, help="append decisions to this JSON-lines file")
+    p.add_argument("--token-file", default=None)
+    p.set_defaults(handler=_controller)
+
+
+def _controller(args: argparse.Namespace) -> int:
+    from hp.core.control_plane import ControlServer
+    from hp.core.controller import Controller, ControllerConfig, JobState
+    from hp.core.plugins import get_backend
+
+    if args.nnodes < 1:
+        raise UsageError(f"--nnodes must be >= 1, got {args.nnodes}")
+    token = _read_token(args, required=True)
+    store = get_backend("store", args.store).serve(args.host, 0)
+    controller = Controller(ControllerConfig(
+        nnodes=args.nnodes, max_restarts=args.max_restarts, heartbeat_timeout_s=args.heartbeat_timeout,
+        store_host=store.host, store_port=store.port, decision_log=args.decision_log,
+    ))
+    server = ControlServer(controller, token, args.host, args.port).start()
+    print(f"hp controller: listening on {server.endpoint}, store on {store.host}:{store.port}", flush=True)
+    stop = []
+    for s in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(s, lambda signum, frame: stop.append(signum))
+    try:
+        while not stop and controller.state not in (JobState.SUCCEEDED, JobState.FAILED):
+            time.sleep(0.1)
+        time.sleep(1.0)  # let agents read the final state before the server goes away
+    finally:
+        server.stop()
+        store.close()
+    print(f"hp controller: job {controller.state.value} {controller.reason}".rstrip(), flush=True)
+    return 0 if controller.state is JobState.SUCCEEDED else 1
+
+
+def _add_backends(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("backends", help="list every discovered plugin backend")
+    p.add_argument("--json", action="store_true", help="print a JSON list of {family, name, dist}")
+    p.set_defaults(handler=_backends)
+
+
+def _backends(args: argparse.Namespace) -> int:
+    from hp.core.plugins import list_backends
+
+    infos = list_backends()
+    if args.json:
+        print(json.dumps([i.as_dict() for i in infos]))
+    else:
+        width = max((len(i.name) for i in infos), default=4)
+        print(f"{'FAMILY':<10} {'NAME':<{width}} DIST")
+        for i in infos:
+            print(f"{i.family:<10} {i.name:<{width}} {i.dist}")
+    return 0
+
+
+def _add_token(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("token", help=f"print a new random job token (for {auth.TOKEN_ENV})")
+    p.set_defaults(handler=lambda args: print(auth.new_token()) or 0)
+
+
+@hookimpl
+def hp_cli_commands(subparsers: argparse._SubParsersAction) -> None:
+    for add in (_add_run, _add_controller, _add_backends, _add_token):
+        add(subparsers)

@@ -1,0 +1,98 @@
+"""Configuration of ``hp run`` and ``hp controller``: typed dataclasses, validated up front."""
+
+from __future__ import annotations
+
+import ipaddress
+import uuid
+from dataclasses import dataclass, field
+
+from hp.core.errors import UsageError
+
+DEFAULT_HOST = "127.0.0.1"
+
+
+@dataclass(frozen=True)
+class Endpoint:
+    host: str
+    port: int
+
+    def __str__(self) -> str:
+        return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
+
+
+def parse_endpoint(text: str, flag: str = "--rdzv-endpoint") -> Endpoint:
+    """``host:port`` or ``[ipv6]:port``; a clear :class:`UsageError` for anything else."""
+    bad = UsageError(f"{flag}: expected HOST:PORT (e.g. 10.0.0.1:29400), got {text!r}")
+    if text.startswith("["):
+        host, sep, port = text[1:].partition("]:")
+        if not sep:
+            raise bad
+        try:
+            ipaddress.IPv6Address(host)
+        except ValueError:
+            raise bad from None
+    else:
+        host, sep, port = text.rpartition(":")
+        if not sep or not host or ":" in host or any(c.isspace() or c in "/?#@" for c in host):
+            raise bad
+    if not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise bad
+    return Endpoint(host, int(port))
+
+
+@dataclass
+class RunConfig:
+    """Everything one ``hp run`` (one node's agent) needs. Mirrors torchrun where it applies."""
+
+    entrypoint: str
+    args: list[str] = field(default_factory=list)
+    module: bool = False  # run ``entrypoint`` as ``python -m entrypoint``
+    nnodes: int = 1
+    nproc_per_node: int = 1
+    node_rank: int = 0
+    rdzv_endpoint: Endpoint | None = None  # the controller; None: node 0 hosts it on loopback
+    external_controller: bool = False  # a standalone ``hp controller`` runs the job; do not host one
+    max_restarts: int = 0
+    monitor_interval_s: float = 0.1
+    heartbeat_interval_s: float = 1.0
+    heartbeat_timeout_s: float = 30.0
+    rdzv_timeout_s: float = 300.0
+    log_dir: str | None = None
+    tee: int = 3  # torch.distributed.elastic Std bitmask: 1 stdout, 2 stderr, 3 both
+    spares: int = 0
+    transport: str = "gloo"
+    store: str = "tcp"
+    run_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
+
+    def validate(self) -> None:
+        checks = [
+            (self.nnodes >= 1, f"--nnodes must be >= 1, got {self.nnodes}"),
+            (self.nproc_per_node >= 1, f"--nproc-per-node must be >= 1, got {self.nproc_per_node}"),
+            (0 <= self.node_rank < self.nnodes,
+             f"--node-rank must be in [0, {self.nnodes}), got {self.node_rank}"),
+            (self.max_restarts >= 0, f"--max-restarts must be >= 0, got {self.max_restarts}"),
+            (self.monitor_interval_s > 0, "--monitor-interval must be > 0"),
+            (self.heartbeat_timeout_s > self.heartbeat_interval_s > 0,
+             "--heartbeat-timeout must exceed the heartbeat interval"),
+            (self.tee in (0, 1, 2, 3), f"--tee must be 0, 1, 2 or 3, got {self.tee}"),
+            (self.spares >= 0, f"--spares must be >= 0, got {self.spares}"),
+            (bool(self.entrypoint), "a training script (or -m module) is required"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise UsageError(message)
+        multi_node = self.nnodes > 1 or self.external_controller
+        if multi_node and (self.rdzv_endpoint is None or self.rdzv_endpoint.port == 0):
+            raise UsageError("--rdzv-endpoint HOST:PORT with a fixed port is required when "
+                             "--nnodes > 1 or the controller is external")
+        if self.spares:
+            raise UsageError("--spares: hot spares need hp-checkpointless's in-process recovery, "
+                             "which is not implemented yet (issue 3)")
+
+    @property
+    def hosts_controller(self) -> bool:
+        return self.node_rank == 0 and not self.external_controller
+
+    @property
+    def controller_endpoint(self) -> Endpoint:
+        return self.rdzv_endpoint or Endpoint(DEFAULT_HOST, 0)

@@ -1,0 +1,87 @@
+"""Hook specifications of hp-core: the plugin families every hp package and third party plugs into.
+
+Plugins are found through the ``hp`` entry-point group (see :mod:`hp.core.plugins`). A plugin is
+any object (usually a module) with functions named like the hooks below and marked with
+:data:`hookimpl`. Each family has one hook that *contributes* backends; nothing in hp selects a
+backend with ``if name == ...`` — lookups go through :func:`hp.core.plugins.get_backend`.
+
+All ``hp_*_backends`` hooks are collecting hooks (not ``firstresult``): pluggy calls every
+implementation and hp concatenates the returned lists. Two backends of one family with the same
+``name`` are a configuration error reported when the family is first listed.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import TYPE_CHECKING
+
+import pluggy
+
+if TYPE_CHECKING:
+    from hp.core.scheduler import SchedulerBackend
+    from hp.core.store import StoreBackend
+    from hp.core.transport import TransportBackend
+
+PROJECT_NAME = "hp"
+hookspec = pluggy.HookspecMarker(PROJECT_NAME)
+hookimpl = pluggy.HookimplMarker(PROJECT_NAME)
+
+
+@hookspec
+def hp_transport_backends() -> list[TransportBackend]:
+    """Contribute collective transports (family ``transport``).
+
+    A transport creates, aborts and rebuilds the collective process group of one generation
+    (``gloo`` for CPU, ``nccl`` for GPUs). See :class:`hp.core.transport.TransportBackend`.
+
+    :return: a list of transport backend instances, each with a unique ``name``.
+    """
+
+
+@hookspec
+def hp_scheduler_backends() -> list[SchedulerBackend]:
+    """Contribute schedulers (family ``scheduler``).
+
+    A scheduler says where processes run and how capacity changes: host lists, capacity
+    signals, job submission and cancellation. See :class:`hp.core.scheduler.SchedulerBackend`.
+
+    :return: a list of scheduler backend instances, each with a unique ``name``.
+    """
+
+
+@hookspec
+def hp_store_backends() -> list[StoreBackend]:
+    """Contribute coordination stores (family ``store``).
+
+    The store is the job's key-value rendezvous (torch ``TCPStore`` by default; etcd for HA).
+    See :class:`hp.core.store.StoreBackend`.
+
+    :return: a list of store backend instances, each with a unique ``name``.
+    """
+
+
+@hookspec
+def hp_storage_tiers() -> list[object]:
+    """Contribute checkpoint storage tiers (family ``storage``), fastest first.
+
+    Implemented by ``hp-tiered-ckpt`` (memory tier with cross-node replicas, fsspec persistence).
+    hp-core defines no tier of its own.
+
+    :return: a list of storage tier objects, each with a unique ``name`` and an integer
+        ``rank`` (lower is faster) used to order reads.
+    """
+
+
+@hookspec
+def hp_cli_commands(subparsers: argparse._SubParsersAction) -> None:
+    """Add ``hp`` sub-commands (family ``cli``).
+
+    Called once while the ``hp`` argument parser is built. Each implementation adds its
+    sub-commands with ``subparsers.add_parser(name, ...)`` and must set a handler with
+    ``parser.set_defaults(handler=fn)`` where ``fn(args: argparse.Namespace) -> int`` returns the
+    process exit code. Raise :class:`hp.core.errors.UsageError` from a handler for bad input:
+    the CLI prints it as one line and exits with code 2.
+
+    :param subparsers: the ``hp`` parser's sub-parser action.
+    :return: nothing; results are ignored.
+    """

@@ -1,0 +1,118 @@
+"""The hp plugin manager: hookspecs + every plugin registered under the ``hp`` entry-point group."""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any
+
+import pluggy
+
+from hp.core import hookspecs
+from hp.core.errors import UnknownBackendError
+from hp.core.hookspecs import PROJECT_NAME
+
+ENTRY_POINT_GROUP = "hp"
+
+# family name -> the hook that contributes its backends. Packages that add a family (hp-chaos adds
+# ``fault``) declare it as ``FAMILY_HOOKS`` in the hookspec module they register under ``hp.hookspecs``.
+FAMILY_HOOKS: dict[str, str] = {
+    "transport": "hp_transport_backends",
+    "scheduler": "hp_scheduler_backends",
+    "store": "hp_store_backends",
+    "storage": "hp_storage_tiers",
+}
+
+
+@dataclass(frozen=True)
+class BackendInfo:
+    """One discovered backend: which family, its name and the distribution that provides it."""
+
+    family: str
+    name: str
+    dist: str
+
+    def as_dict(self) -> dict[str, str]:
+        return {"family": self.family, "name": self.name, "dist": self.dist}
+
+
+@functools.lru_cache(maxsize=1)
+def get_plugin_manager() -> pluggy.PluginManager:
+    """The process-wide plugin manager with every ``hp`` entry point loaded."""
+    pm = pluggy.PluginManager(PROJECT_NAME)
+    pm.add_hookspecs(hookspecs)
+    for module in _extra_hookspec_modules():
+        pm.add_hookspecs(module)
+        FAMILY_HOOKS.update(getattr(module, "FAMILY_HOOKS", {}))
+    pm.load_setuptools_entrypoints(ENTRY_POINT_GROUP)
+    return pm
+
+
+def _extra_hookspec_modules() -> list[Any]:
+    """Hookspec modules of other hp packages, declared under the ``hp.hookspecs`` entry points."""
+    from importlib.metadata import entry_points
+
+    return [ep.load() for ep in entry_points(group="hp.hookspecs")]
+
+
+def _dist_of(pm: pluggy.PluginManager, plugin: object) -> str:
+    for plugin_obj, dist in pm.list_plugin_distinfo():
+        if plugin_obj is plugin:
+            return dist.project_name
+    return "(registered at run time)"
+
+
+def _collect(pm: pluggy.PluginManager, family: str) -> list[tuple[Any, str]]:
+    """Every backend of ``family`` with the distribution that contributed it."""
+    if family not in FAMILY_HOOKS:
+        raise UnknownBackendError("plugin family", family, list(FAMILY_HOOKS))
+    hook = getattr(pm.hook, FAMILY_HOOKS[family])
+    found: list[tuple[Any, str]] = []
+    for impl in hook.get_hookimpls():
+        for backend in impl.function() or []:
+            found.append((backend, _dist_of(pm, impl.plugin)))
+    seen: dict[str, str] = {}
+    for backend, dist in found:
+        if backend.name in seen:
+            raise RuntimeError(
+                f"{family} backend {backend.name!r} is provided twice ({seen[backend.name]} and {dist})"
+            )
+        seen[backend.name] = dist
+    return found
+
+
+def backends(family: str, pm: pluggy.PluginManager | None = None) -> dict[str, Any]:
+    """All backends of a family, by name."""
+    return {b.name: b for b, _ in _collect(pm or get_plugin_manager(), family)}
+
+
+def get_backend(family: str, name: str, pm: pluggy.PluginManager | None = None) -> Any:
+    """The backend called ``name`` in ``family``; :class:`UnknownBackendError` if none is."""
+    found = backends(family, pm)
+    if name not in found:
+        raise UnknownBackendError(family, name, list(found))
+    return found[name]
+
+
+def list_backends(pm: pluggy.PluginManager | None = None) -> list[BackendInfo]:
+    """Every discovered backend and CLI command, sorted by family then name."""
+    pm = pm or get_plugin_manager()
+    infos = [
+        BackendInfo(family, backend.name, dist)
+        for family in list(FAMILY_HOOKS)
+        for backend, dist in _collect(pm, family)
+    ]
+    infos += _cli_commands(pm)
+    return sorted(infos, key=lambda i: (i.family, i.name))
+
+
+def _cli_commands(pm: pluggy.PluginManager) -> list[BackendInfo]:
+    import argparse
+
+    infos = []
+    for impl in pm.hook.hp_cli_commands.get_hookimpls():
+        sub = argparse.ArgumentParser().add_subparsers()
+        impl.function(sub)
+        dist = _dist_of(pm, impl.plugin)
+        infos += [BackendInfo("cli", name, dist) for name in sub.choices]
+    return infos

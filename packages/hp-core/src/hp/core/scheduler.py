@@ -1,0 +1,89 @@
+"""Scheduler backends: where a job's processes run and how capacity changes.
+
+Schedulers that TorchX already drives (local_cwd, slurm, kubernetes) submit through TorchX's
+runner; hp adds what TorchX does not model: host lists and capacity signals for elastic decisions.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from hp.core.hookspecs import hookimpl
+
+if TYPE_CHECKING:
+    from torchx.specs import AppDef, AppStatus
+
+
+@dataclass(frozen=True)
+class Capacity:
+    """What the scheduler can give right now."""
+
+    hosts: int  # hosts the job could run on
+    slots_per_host: int  # worker processes one host can hold
+    preemption_requested: bool = False  # the scheduler wants capacity back
+
+
+class SchedulerBackend:
+    """Base class of schedulers. ``torchx_scheduler`` names the TorchX scheduler used to submit."""
+
+    name: str = ""
+    torchx_scheduler: str = ""
+
+    def hosts(self) -> list[str]:
+        """Host names currently allocated to the job."""
+        raise NotImplementedError
+
+    def capacity(self) -> Capacity:
+        """Current capacity signal."""
+        raise NotImplementedError
+
+    _runner = None
+
+    def _torchx_runner(self):
+        # One runner per backend: closing a TorchX runner stops the apps its local scheduler started.
+        if self._runner is None:
+            from torchx.runner import get_runner
+
+            self._runner = get_runner()
+        return self._runner
+
+    def submit(self, app: AppDef, cfg: dict | None = None) -> str:
+        """Submit ``app`` through TorchX; returns the TorchX app handle."""
+        return self._torchx_runner().run(app, scheduler=self.torchx_scheduler, cfg=cfg or {})
+
+    def wait(self, handle: str, poll_s: float = 0.5) -> AppStatus | None:
+        """Block until the app is in a terminal state; returns its final status."""
+        return self._torchx_runner().wait(handle, wait_interval=poll_s)
+
+    def cancel(self, handle: str) -> None:
+        self._torchx_runner().cancel(handle)
+
+    def close(self) -> None:
+        """Release the TorchX runner (for the local scheduler this stops its apps)."""
+        if self._runner is not None:
+            self._runner.close()
+            self._runner = None
+
+
+class LocalScheduler(SchedulerBackend):
+    """This host only; jobs are submitted with TorchX's ``local_cwd`` scheduler."""
+
+    name = "local"
+    torchx_scheduler = "local_cwd"
+
+    def hosts(self) -> list[str]:
+        return [socket.gethostname()]
+
+    def capacity(self) -> Capacity:
+        import torch
+
+        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        return Capacity(hosts=1, slots_per_host=gpus or (os.cpu_count() or 1))
+
+
+@hookimpl
+def hp_scheduler_backends() -> list[SchedulerBackend]:
+    return [LocalScheduler()]

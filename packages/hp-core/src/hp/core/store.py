@@ -1,0 +1,79 @@
+"""Coordination store backends: the job's key-value rendezvous for process groups.
+
+The default is torch's ``TCPStore`` hosted by the controller. An etcd backend can implement the
+same two methods; nothing outside this family knows which store is in use.
+"""
+
+from __future__ import annotations
+
+import socket
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import TYPE_CHECKING
+
+from hp.core.hookspecs import hookimpl
+
+if TYPE_CHECKING:
+    import torch.distributed as dist
+
+
+@dataclass
+class StoreServer:
+    """A running store server: where clients reach it, and how to stop it."""
+
+    host: str
+    port: int
+    store: dist.Store
+    _keepalive: list = field(default_factory=list, repr=False)
+
+    def close(self) -> None:
+        for sock in self._keepalive:
+            sock.close()
+        self._keepalive.clear()
+        self.store = None  # type: ignore[assignment]  # dropping the last reference stops the server
+
+
+class StoreBackend:
+    """Base class of store backends."""
+
+    name: str = ""
+
+    def serve(self, host: str, port: int = 0) -> StoreServer:
+        """Start a server bound to ``host`` only (port 0 picks a free one)."""
+        raise NotImplementedError
+
+    def connect(self, host: str, port: int, timeout: timedelta = timedelta(seconds=60)) -> dist.Store:
+        """A client of the server at ``host:port``."""
+        raise NotImplementedError
+
+
+class TCPStoreBackend(StoreBackend):
+    """torch ``TCPStore``. The listening socket is bound here, to the interface asked for:
+    ``TCPStore`` itself would listen on every interface."""
+
+    name = "tcp"
+
+    def serve(self, host: str, port: int = 0) -> StoreServer:
+        import torch.distributed as dist
+
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(1024)
+        bound_port = sock.getsockname()[1]
+        store = dist.TCPStore(
+            host, bound_port, is_master=True, wait_for_workers=False,
+            master_listen_fd=sock.fileno(),
+        )
+        return StoreServer(host, bound_port, store, [sock])
+
+    def connect(self, host: str, port: int, timeout: timedelta = timedelta(seconds=60)) -> dist.Store:
+        import torch.distributed as dist
+
+        return dist.TCPStore(host, port, is_master=False, timeout=timeout)
+
+
+@hookimpl
+def hp_store_backends() -> list[StoreBackend]:
+    return [TCPStoreBackend()]

@@ -1,0 +1,143 @@
+"""Transport backends: the collective process group of one generation (``gloo``, ``nccl``).
+
+A transport builds the process group of generation ``g`` on a store namespaced by ``g`` (so a
+rank of an older generation can never read or write the new group's rendezvous keys), and aborts
+a group so that a rank blocked inside a collective is released.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+from datetime import timedelta
+from typing import TYPE_CHECKING
+
+from hp.core.errors import BackendUnavailableError
+from hp.core.hookspecs import hookimpl
+
+if TYPE_CHECKING:
+    import torch.distributed as dist
+
+
+def generation_prefix(generation: int) -> str:
+    """Store prefix of every key that belongs to generation ``generation``."""
+    return f"hp/g{generation}/"
+
+
+class TransportBackend:
+    """Base class of transports. Subclasses set ``name`` and ``torch_backend``."""
+
+    name: str = ""
+    torch_backend: str = ""
+
+    def check_available(self) -> None:
+        """Raise :class:`BackendUnavailableError` (a clear one-liner) if this machine cannot run it."""
+
+    def env_defaults(self) -> dict[str, str]:
+        """Environment variables the agent sets for workers unless the user already set them."""
+        return {}
+
+    def device_for(self, local_rank: int) -> str:
+        """The torch device a worker with ``local_rank`` should compute on."""
+        return "cpu"
+
+    def init_process_group(
+        self,
+        store: dist.Store,
+        rank: int,
+        world_size: int,
+        generation: int,
+        timeout: timedelta = timedelta(minutes=10),
+    ) -> None:
+        """Initialise the default process group of ``generation`` on a generation-prefixed store."""
+        import torch.distributed as dist
+
+        self.check_available()
+        dist.init_process_group(
+            self.torch_backend,
+            store=dist.PrefixStore(generation_prefix(generation), store),
+            rank=rank,
+            world_size=world_size,
+            timeout=timeout,
+        )
+
+    def abort(self) -> None:
+        """Abort the default process group, releasing ranks blocked in a collective."""
+        import torch.distributed as dist
+        from torch.distributed.distributed_c10d import _abort_process_group
+
+        if dist.is_initialized():
+            _abort_process_group()
+
+
+class GlooTransport(TransportBackend):
+    """CPU collectives over TCP. ``GLOO_SOCKET_IFNAME`` picks the interface across namespaces."""
+
+    name = "gloo"
+    torch_backend = "gloo"
+
+    def check_available(self) -> None:
+        import torch.distributed as dist
+
+        if not dist.is_gloo_available():
+            raise BackendUnavailableError("transport 'gloo' is not built into this torch")
+
+
+def efa_devices(sysfs: str = "/sys/class/infiniband") -> list[str]:
+    """Names of the AWS Elastic Fabric Adapter devices on this host (empty off AWS)."""
+    found = []
+    for dev in sorted(glob.glob(os.path.join(sysfs, "*"))):
+        driver = os.path.realpath(os.path.join(dev, "device", "driver"))
+        if os.path.basename(driver) == "efa" or os.path.basename(dev).startswith("rdmap"):
+            found.append(os.path.basename(dev))
+    return found
+
+
+# What AWS recommends for NCCL over EFA (libfabric provider, GPUDirect RDMA, fork safety for data
+# loader workers); applied only where an EFA device exists and never over the user's own values.
+EFA_ENV_DEFAULTS = {
+    "FI_PROVIDER": "efa",
+    "FI_EFA_USE_DEVICE_RDMA": "1",
+    "FI_EFA_FORK_SAFE": "1",
+    "NCCL_SOCKET_IFNAME": "^lo,docker",
+}
+
+
+class NcclTransport(TransportBackend):
+    """GPU collectives. One GPU per local rank; EFA-friendly defaults where EFA is present."""
+
+    name = "nccl"
+    torch_backend = "nccl"
+
+    def __init__(self, sysfs: str = "/sys/class/infiniband") -> None:
+        self._sysfs = sysfs
+
+    def check_available(self) -> None:
+        import torch
+        import torch.distributed as dist
+
+        if not torch.cuda.is_available():
+            raise BackendUnavailableError(
+                "transport 'nccl' needs CUDA GPUs, but torch.cuda.is_available() is False on this "
+                "machine; use --transport gloo"
+            )
+        if not dist.is_nccl_available():
+            raise BackendUnavailableError("transport 'nccl' is not built into this torch")
+
+    def env_defaults(self) -> dict[str, str]:
+        return dict(EFA_ENV_DEFAULTS) if efa_devices(self._sysfs) else {}
+
+    def device_for(self, local_rank: int) -> str:
+        return f"cuda:{local_rank}"
+
+    def init_process_group(self, store, rank, world_size, generation, timeout=timedelta(minutes=10)):
+        import torch
+
+        self.check_available()
+        torch.cuda.set_device(self.device_for(int(os.environ.get("LOCAL_RANK", "0"))))
+        super().init_process_group(store, rank, world_size, generation, timeout)
+
+
+@hookimpl
+def hp_transport_backends() -> list[TransportBackend]:
+    return [GlooTransport(), NcclTransport()]

@@ -1,0 +1,117 @@
+"""Worker processes of one node: spawn, log capture and exit status, one elastic PContext each.
+
+``torch.distributed.elastic.multiprocessing`` does the spawning, log redirection/teeing with
+per-rank prefixes and error-file capture. It treats a group of processes as one unit (any failure
+closes all), so hp gives every worker its own single-process context: one worker can then die
+and be restarted while its neighbours keep running.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+from dataclasses import dataclass, field
+
+from torch.distributed.elastic.multiprocessing import LogsDest, LogsSpecs, PContext, Std, start_processes
+
+
+class WorkerLogsSpecs(LogsSpecs):
+    """Logs of one worker under ``<log_dir>/rank<R>/attempt_<k>/{stdout,stderr}.log, error.json``."""
+
+    def __init__(self, log_dir: str, rank: int, tee: Std) -> None:
+        super().__init__(log_dir, redirects=tee, tee=tee)
+        self._rank = rank
+
+    @property
+    def root_log_dir(self) -> str:
+        return str(self._root_log_dir)
+
+    def reify(self, envs: dict[int, dict[str, str]]) -> LogsDest:
+        attempt = envs[0].get("TORCHELASTIC_RESTART_COUNT", "0")
+        d = os.path.join(self.root_log_dir, f"rank{self._rank}", f"attempt_{attempt}")
+        os.makedirs(d, exist_ok=True)
+        tee = Std(self._tee) if not isinstance(self._tee, dict) else Std.NONE
+        out, err = os.path.join(d, "stdout.log"), os.path.join(d, "stderr.log")
+        return LogsDest(
+            stdouts={0: out if tee & Std.OUT else ""},
+            stderrs={0: err if tee & Std.ERR else ""},
+            tee_stdouts={0: out if tee & Std.OUT else ""},
+            tee_stderrs={0: err if tee & Std.ERR else ""},
+            error_files={0: os.path.join(d, "error.json")},
+        )
+
+
+@dataclass
+class ExitStatus:
+    """How a worker process ended."""
+
+    pid: int
+    exitcode: int
+    signal: str | None  # e.g. "SIGKILL" when killed by a signal
+    message: str  # from the worker's error file (``@record``), if it wrote one
+
+    @property
+    def ok(self) -> bool:
+        return self.exitcode == 0
+
+
+@dataclass
+class Worker:
+    """One worker slot of this node: a global rank and the process currently holding it."""
+
+    rank: int
+    local_rank: int
+    command: list[str]
+    log_dir: str
+    tee: Std
+    restarts: int = 0
+    exit: ExitStatus | None = None
+    _ctx: PContext | None = field(default=None, repr=False)
+    pid: int = 0
+
+    def start(self, env: dict[str, str]) -> None:
+        env = {**env, "TORCHELASTIC_RESTART_COUNT": str(self.restarts)}
+        self.exit = None
+        self._ctx = start_processes(
+            name=f"rank{self.rank}",
+            entrypoint=self.command[0],
+            args={0: tuple(self.command[1:])},
+            envs={0: env},
+            logs_specs=WorkerLogsSpecs(self.log_dir, self.rank, self.tee),
+            log_line_prefixes={0: f"[rank{self.rank}]:"},
+        )
+        self.pid = self._ctx.pids()[0]
+
+    @property
+    def running(self) -> bool:
+        return self._ctx is not None and self.exit is None
+
+    def poll(self) -> ExitStatus | None:
+        """The exit status once the process has ended (logs flushed), else None."""
+        if not self.running:
+            return self.exit
+        result = self._ctx.wait(0)
+        if result is None:
+            return None
+        failure = result.failures.get(0)
+        if failure is None:
+            self.exit = ExitStatus(self.pid, 0, None, "")
+        else:
+            sig = failure.signal_name() if failure.exitcode < 0 else None
+            raw = failure.message
+            raw = raw.get("message", "") if isinstance(raw, dict) else raw
+            message = raw.strip().splitlines()[-1] if isinstance(raw, str) and raw.strip() else ""
+            if message.startswith(("Signal ", "To enable traceback")):
+                message = ""  # elastic's placeholder text, not something the worker said
+            self.exit = ExitStatus(failure.pid, failure.exitcode, sig, message)
+        return self.exit
+
+    def stop(self, sig: signal.Signals = signal.SIGTERM, timeout_s: float = 10.0) -> None:
+        if self._ctx is not None:
+            self._ctx.close(death_sig=sig, timeout=int(max(1, timeout_s)))
+
+
+def python_command(entrypoint: str, args: list[str], module: bool) -> list[str]:
+    """The command line of a worker, like torchrun's: unbuffered Python running the script."""
+    return [sys.executable, "-u", *(["-m"] if module else []), entrypoint, *args]

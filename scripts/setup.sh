@@ -1,0 +1,21 @@
+#!/usr/bin/env bash
+# Create .venv at the repository root and install all five hp distributions editable, with tests.
+# Idempotent: re-running only installs what changed.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PYTHON=${PYTHON:-python3}
+# On this project's CI and dev machines pip finds a local CPU wheel of torch 2.13.0; elsewhere
+# set HP_TORCH (e.g. HP_TORCH="torch==2.13.0" from PyTorch's CUDA index) before running.
+HP_TORCH=${HP_TORCH:-torch==2.13.0}
+
+[ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
+.venv/bin/python -m pip install --quiet --upgrade "pip>=24" "setuptools>=69" wheel
+.venv/bin/python -m pip install --quiet "$HP_TORCH"
+.venv/bin/python -m pip install --quiet \
+    -e "packages/hp-core[test]" \
+    -e "packages/hp-elastic[test]" \
+    -e "packages/hp-checkpointless[test]" \
+    -e "packages/hp-tiered-ckpt[test]" \
+    -e "packages/hp-chaos[test]"
+echo "setup: .venv ready ($(.venv/bin/python -c 'import torch; print("torch", torch.__version__)'))"
