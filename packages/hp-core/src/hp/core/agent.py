@@ -60,6 +60,7 @@ class Agent:
         self.transport.check_available()
         self.store_backend = get_backend("store", config.store)
         self.log_dir = config.log_dir or tempfile.mkdtemp(prefix=f"hp_{config.run_id}_")
+        os.makedirs(self.log_dir, exist_ok=True)
         self.generation = 0
         self.workers: list[Worker] = []
         self._server: ControlServer | None = None

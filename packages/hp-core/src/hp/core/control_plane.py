@@ -57,6 +57,9 @@ class _Handler(BaseHTTPRequestHandler):
             self._reply(200, controller.handle(verb, payload))
         except Refused as r:
             self._reply(r.status, {"error": r.message, **r.extra})
+        except Exception as e:  # a controller bug must answer, not leave the agent retrying
+            log.exception("controller failed on %s", verb)
+            self._reply(500, {"error": f"controller error on {verb}: {type(e).__name__}: {e}"})
 
     def do_GET(self) -> None:  # noqa: N802
         self.server.controller.record_refusal(self.path, 405, "GET is not served")
@@ -73,7 +76,7 @@ class ControlServer(ThreadingHTTPServer):
         super().__init__((host, port), _Handler)
         self.controller, self.token = controller, token
         self._stop = threading.Event()
-        self._threads = [
+        self._loops = [
             threading.Thread(target=self.serve_forever, kwargs={"poll_interval": 0.1}, daemon=True),
             threading.Thread(target=self._watch, args=(liveness_period_s,), daemon=True),
         ]
@@ -84,7 +87,7 @@ class ControlServer(ThreadingHTTPServer):
         return f"{host}:{port}"
 
     def start(self) -> ControlServer:
-        for t in self._threads:
+        for t in self._loops:
             t.start()
         return self
 

@@ -33,12 +33,14 @@ class WorkerLogsSpecs(LogsSpecs):
         os.makedirs(d, exist_ok=True)
         tee = Std(self._tee) if not isinstance(self._tee, dict) else Std.NONE
         out, err = os.path.join(d, "stdout.log"), os.path.join(d, "stderr.log")
+        error_file = os.path.join(d, "error.json")
+        envs[0]["TORCHELASTIC_ERROR_FILE"] = error_file  # where ``@record`` writes the exception
         return LogsDest(
             stdouts={0: out if tee & Std.OUT else ""},
             stderrs={0: err if tee & Std.ERR else ""},
             tee_stdouts={0: out if tee & Std.OUT else ""},
             tee_stderrs={0: err if tee & Std.ERR else ""},
-            error_files={0: os.path.join(d, "error.json")},
+            error_files={0: error_file},
         )
 
 

@@ -1,0 +1,189 @@
+"""Repository layout: top level, Pants BUILD files vs. disk, dependency rule, wheels, import isolation."""
+
+from __future__ import annotations
+
+import ast
+import builtins
+import fnmatch
+import os
+import re
+import shutil
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+from typing import Any, Callable
+
+import pytest
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    tomllib = pytest.importorskip("tomli")
+
+ROOT = Path(__file__).resolve().parents[1]
+DISTS = ("hp-core", "hp-elastic", "hp-checkpointless", "hp-tiered-ckpt", "hp-chaos")
+CORE = "hp-core"
+Target = tuple[str, dict[str, Any]]
+
+
+def import_name(dist: str) -> str:
+    return dist.removeprefix("hp-").replace("-", "_")
+
+
+def project(pkgdir: Path) -> dict[str, Any]:
+    with open(pkgdir / "pyproject.toml", "rb") as f:
+        return tomllib.load(f)["project"]
+
+
+def req_name(req: str) -> str:
+    m = re.match(r"\s*([A-Za-z0-9][A-Za-z0-9._-]*)", req)
+    assert m, f"unparsable requirement {req!r}"
+    return re.sub(r"[-_.]+", "-", m.group(1)).lower()
+
+
+def check_dependency_rule(dist: str, reqs: list[str], where: str) -> None:
+    hp_deps = {req_name(r) for r in reqs if req_name(r).startswith("hp-")}
+    if dist == CORE:
+        assert not hp_deps, f"{where}: {CORE} must depend on no other hp-* distribution, has {sorted(hp_deps)}"
+    else:
+        assert CORE in hp_deps, f"{where}: {dist} does not depend on {CORE} (requirements: {reqs})"
+        extra = hp_deps - {CORE}
+        assert not extra, f"{where}: {dist} may depend only on {CORE} among hp-* dists, also has {sorted(extra)}"
+
+
+class _Recorder(dict):  # type: ignore[type-arg]
+    """exec() locals: any unknown name (a target type) becomes a function recording its kwargs."""
+
+    def __init__(self) -> None:
+        super().__init__(python_artifact=lambda **kw: kw)
+        self.targets: list[Target] = []
+
+    def __missing__(self, name: str) -> Any:
+        if hasattr(builtins, name):
+            return getattr(builtins, name)
+
+        def record(**kwargs: Any) -> None:
+            self.targets.append((name, kwargs))
+
+        return record
+
+
+def parse_build(path: Path) -> list[Target]:
+    rec = _Recorder()
+    exec(compile(path.read_text(), str(path), "exec"), {}, rec)
+    return rec.targets
+
+
+def build_files() -> list[Path]:
+    skip = {".git", ".venv", "node_modules", "__pycache__", "build", "dist"}
+    return sorted(p for p in ROOT.rglob("BUILD") if p.is_file() and not skip & set(p.relative_to(ROOT).parts))
+
+
+def matched(build_dir: Path, kwargs: dict[str, Any]) -> dict[str, set[Path]]:
+    """Each include glob of a target -> the files it matches (minus the target's `!` excludes)."""
+    globs = kwargs.get("sources", [kwargs["source"]] if "source" in kwargs else [])
+    excluded = {p for g in globs if g.startswith("!") for p in build_dir.glob(g[1:])}
+    return {g: {p for p in build_dir.glob(g) if p.is_file()} - excluded for g in globs if not g.startswith("!")}
+
+
+def test_top_level_exists() -> None:
+    missing = [n for n in ("integration", "pants.toml", "BUILD", "README.md", ".ci/run") if not (ROOT / n).exists()]
+    assert not missing, f"missing at the repository root: {missing}"
+    on_disk = {p.name for p in (ROOT / "packages").iterdir() if p.is_dir()}
+    assert on_disk == set(DISTS), f"packages/ holds {sorted(on_disk)}; expected exactly {sorted(DISTS)}"
+
+
+def test_build_files_match_disk() -> None:
+    builds = {p: parse_build(p) for p in build_files()}
+    problems: list[str] = []
+    covered: set[Path] = set()
+    for path, targets in builds.items():
+        rel = path.relative_to(ROOT)
+        for kind, kwargs in targets:
+            for glob, files in matched(path.parent, kwargs).items():
+                if not files and kind != "python_test_utils":
+                    problems.append(f"{rel}: {kind}(name={kwargs.get('name')!r}) glob {glob!r} matches no file")
+                if kind == "python_sources":
+                    covered |= files
+    for pkgdir in sorted(p for p in (ROOT / "packages").iterdir() if p.is_dir()):
+        build = pkgdir / "BUILD"
+        if build not in builds:
+            problems.append(f"{pkgdir.relative_to(ROOT)} has no BUILD file")
+            continue
+        proj = project(pkgdir)
+        if proj["name"] != pkgdir.name:
+            problems.append(f"{pkgdir.name}/pyproject.toml names the distribution {proj['name']!r}")
+        arts = [kw.get("provides", {}) for kind, kw in builds[build] if kind == "python_distribution"]
+        want = {"name": proj["name"], "version": proj["version"]}
+        got = [{k: a.get(k) for k in want} for a in arts]
+        if got != [want]:
+            problems.append(f"{build.relative_to(ROOT)}: python_distribution artifacts {got} != pyproject {want}")
+    for py in sorted(ROOT.glob("packages/*/src/hp/**/*.py")):
+        if py not in covered and "__pycache__" not in py.parts:
+            problems.append(f"{py.relative_to(ROOT)} is owned by no python_sources target")
+    assert not problems, "BUILD files disagree with the disk:\n" + "\n".join(problems)
+
+
+def test_pants_toml_source_roots() -> None:
+    with open(ROOT / "pants.toml", "rb") as f:
+        cfg = tomllib.load(f)
+    assert cfg["GLOBAL"]["pants_version"].startswith("2."), "pants.toml: pants_version is not Pants 2.x"
+    assert "pants.backend.python" in cfg["GLOBAL"]["backend_packages"], "pants.toml: Python backend not enabled"
+    patterns: list[str] = cfg["source"]["root_patterns"]
+
+    def is_root(rel: str) -> bool:
+        # Pants: a leading "/" anchors at the build root, otherwise the pattern matches any suffix.
+        return any(
+            fnmatch.fnmatchcase(rel, p[1:]) if p.startswith("/") else fnmatch.fnmatchcase(rel, f"*{p}")
+            for p in patterns
+        )
+
+    dirs = [d for pkg in sorted((ROOT / "packages").iterdir()) for d in (pkg / "src", pkg / "tests") if d.is_dir()]
+    uncovered = [str(d.relative_to(ROOT)) for d in dirs if not is_root(str(d.relative_to(ROOT)))]
+    uncovered += [n for n in ("integration",) if not is_root(n)]
+    assert not uncovered, f"pants.toml [source] root_patterns {patterns} miss {uncovered}"
+
+
+def test_dependency_rule_and_namespace() -> None:
+    for pkgdir in sorted(p for p in (ROOT / "packages").iterdir() if p.is_dir()):
+        proj = project(pkgdir)
+        check_dependency_rule(proj["name"], proj.get("dependencies", []), f"{pkgdir.name}/pyproject.toml")
+        init = pkgdir / "src" / "hp" / "__init__.py"
+        assert not init.exists(), f"{init.relative_to(ROOT)} exists: `hp` must stay a PEP 420 namespace"
+
+
+@pytest.mark.parametrize("dist", DISTS)
+def test_wheel_builds(dist: str, tmp_path: Path) -> None:
+    # Build from a copy: setuptools reuses a stale build/ dir, which would also race other builds.
+    src = tmp_path / "src"
+    shutil.copytree(ROOT / "packages" / dist, src, ignore=shutil.ignore_patterns("build", "*.egg-info", "__pycache__"))
+    out = tmp_path / "wheels"
+    cmd = [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-w", str(out), str(src)]
+    env = {**os.environ, "PIP_NO_INDEX": "1", "PIP_DISABLE_PIP_VERSION_CHECK": "1"}
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=240)
+    assert proc.returncode == 0, f"pip wheel {dist} failed:\n{proc.stdout}\n{proc.stderr}"
+    wheels = list(out.glob("*.whl"))
+    assert len(wheels) == 1, f"pip wheel {dist} produced {wheels}"
+    with zipfile.ZipFile(wheels[0]) as whl:
+        names = whl.namelist()
+        meta_name = next(n for n in names if n.endswith(".dist-info/METADATA"))
+        meta = whl.read(meta_name).decode()
+    pkg = f"hp/{import_name(dist)}/"
+    assert f"{pkg}__init__.py" in names, f"{wheels[0].name} lacks {pkg}__init__.py"
+    assert "hp/__init__.py" not in names, f"{wheels[0].name} ships hp/__init__.py, breaking the namespace"
+    strays = [n for n in names if n.startswith("hp/") and not n.startswith(pkg)]
+    assert not strays, f"{wheels[0].name} ships modules outside {pkg}: {strays}"
+    assert re.search(rf"^Name: {re.escape(dist)}$", meta, re.M), f"{meta_name} does not name {dist}"
+    reqs = [r for r in re.findall(r"^Requires-Dist: (.+)$", meta, re.M) if "extra ==" not in r]
+    check_dependency_rule(dist, reqs, f"{wheels[0].name} METADATA")
+
+
+def test_core_imports_alone(tmp_path: Path) -> None:
+    code = 'import hp.core, sys; print(sorted(m for m in sys.modules if m.startswith("hp.")))'
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, timeout=240)
+    assert proc.returncode == 0, f"`import hp.core` failed:\n{proc.stderr}"
+    loaded: list[str] = ast.literal_eval(proc.stdout.strip().splitlines()[-1])
+    others = [f"hp.{import_name(d)}" for d in DISTS if d != CORE]
+    leaked = [m for m in loaded if any(m == o or m.startswith(o + ".") for o in others)]
+    assert not leaked, f"importing hp.core also imported other distributions' modules: {leaked}"
