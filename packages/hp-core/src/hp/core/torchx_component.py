@@ -4,8 +4,6 @@ Registered under the ``torchx.components`` entry point as the ``hp`` group, next
 ``dist``/``utils``/``serve``/``metrics`` groups (torchx 0.7 hides its built-ins otherwise).
 """
 
-from __future__ import annotations
-
 import shlex
 from typing import Dict, Optional
 

@@ -1,0 +1,12 @@
+"""The distribution installs, imports on its own and depends only on hp-core."""
+
+from importlib.metadata import distribution, requires
+
+import hp.chaos
+
+
+def test_imports_and_depends_only_on_hp_core():
+    assert hp.chaos.__all__ == [] or all(hasattr(hp.chaos, n) for n in hp.chaos.__all__)
+    hp_deps = [r for r in requires("hp-chaos") or [] if r.startswith("hp-")]
+    assert hp_deps == ["hp-core==0.1.0"], hp_deps
+    assert distribution("hp-chaos").version == "0.1.0"

@@ -1,0 +1,71 @@
+"""The `hp` command line: discovery output and one-line errors for bad input."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+
+import pytest
+
+from hp.core.testing import HP
+
+
+def hp(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run([*HP, *args], capture_output=True, text=True, timeout=60,
+                          env={**os.environ, **(env or {})})
+
+
+def test_backends_json_lists_builtin_plugins_with_their_dist():
+    out = hp("backends", "--json")
+    assert out.returncode == 0, out.stderr
+    found = {(b["family"], b["name"]): b["dist"] for b in json.loads(out.stdout)}
+    for key in [("transport", "gloo"), ("transport", "nccl"), ("scheduler", "local"), ("store", "tcp"),
+                ("cli", "run"), ("cli", "backends")]:
+        assert found.get(key) == "hp-core", (key, found)
+    assert all(set(b) == {"family", "name", "dist"} for b in json.loads(out.stdout))
+
+
+def test_backends_table():
+    out = hp("backends")
+    assert out.returncode == 0 and "transport  gloo" in out.stdout
+
+
+@pytest.mark.parametrize("args, message", [
+    (["run", "--transport", "bogus", "x.py"], "unknown transport backend 'bogus' (available: gloo, nccl)"),
+    (["run", "--store", "zookeeper", "x.py"], "unknown store backend 'zookeeper'"),
+    (["run", "--rdzv-endpoint", "localhost", "x.py"], "--rdzv-endpoint: expected HOST:PORT"),
+    (["run", "--rdzv-endpoint", "a:b:c", "x.py"], "--rdzv-endpoint: expected HOST:PORT"),
+    (["run", "--rdzv-endpoint", "host:99999", "x.py"], "--rdzv-endpoint: expected HOST:PORT"),
+    (["run", "--nproc-per-node", "0", "x.py"], "--nproc-per-node must be >= 1, got 0"),
+    (["run", "--nproc-per-node", "two", "x.py"], "invalid int value: 'two'"),
+    (["run", "--nnodes", "2", "--node-rank", "2", "--rdzv-endpoint", "h:1", "x.py"], "--node-rank must be in [0, 2)"),
+    (["run", "--nnodes", "2", "x.py"], "--rdzv-endpoint HOST:PORT with a fixed port is required"),
+    (["run", "--spares", "1", "x.py"], "not implemented yet"),
+    (["run"], "the following arguments are required: entrypoint"),
+    (["fly"], "invalid choice: 'fly'"),
+    (["controller", "--nnodes", "1"], "a shared job token is required"),
+])
+def test_bad_input_is_one_line_exit_2_no_traceback(args, message):
+    out = hp(*args, env={"HP_JOB_TOKEN": ""})
+    assert out.returncode == 2, (out.stdout, out.stderr)
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("hp: error:"), out.stderr
+    assert message in lines[0]
+    assert out.stdout == ""
+
+
+def test_nccl_without_cuda_is_a_clear_error():
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA: the nccl transport is available here")
+    out = hp("run", "--transport", "nccl", "x.py")
+    assert out.returncode == 2
+    assert out.stderr.strip() == ("hp: error: transport 'nccl' needs CUDA GPUs, but torch.cuda.is_available() "
+                                  "is False on this machine; use --transport gloo")
+
+
+def test_token_is_fresh_hex():
+    a, b = hp("token").stdout.strip(), hp("token").stdout.strip()
+    assert a != b and len(a) == 64 and int(a, 16) >= 0
