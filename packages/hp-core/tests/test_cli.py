@@ -41,7 +41,7 @@ def test_backends_table():
     (["run", "--nproc-per-node", "two", "x.py"], "invalid int value: 'two'"),
     (["run", "--nnodes", "2", "--node-rank", "2", "--rdzv-endpoint", "h:1", "x.py"], "--node-rank must be in [0, 2)"),
     (["run", "--nnodes", "2", "x.py"], "--rdzv-endpoint HOST:PORT with a fixed port is required"),
-    (["run", "--spares", "1", "x.py"], "not implemented yet"),
+    (["run", "--spares", "-1", "x.py"], "--spares must be >= 0, got -1"),
     (["run"], "the following arguments are required: entrypoint"),
     (["fly"], "invalid choice: 'fly'"),
     (["controller", "--nnodes", "1"], "a shared job token is required"),

@@ -53,9 +53,9 @@ def test_wrong_token_is_refused_logged_and_changes_nothing(server, caplog):
 def test_old_generation_is_refused_over_the_wire(server):
     client = ControlClient(server.endpoint, TOKEN)
     client.call("join", {"node_rank": 0, "nproc": 2, "host": "h"})
-    client.call("worker_failed", {"node_rank": 0, "generation": 1, "local_rank": 1, "signal": "SIGKILL"})
+    client.call("worker_failed", {"node_rank": 0, "generation": 1, "rank": 1, "signal": "SIGKILL"})
     with pytest.raises(ControlPlaneError) as e:
-        client.call("worker_failed", {"node_rank": 0, "generation": 1, "local_rank": 0, "signal": "SIGKILL"})
+        client.call("worker_failed", {"node_rank": 0, "generation": 1, "rank": 0, "signal": "SIGKILL"})
     assert e.value.status == 409 and e.value.body["generation"] == 2
     assert server.controller.restarts == 1
     assert server.controller.decisions[-1]["reason"] == "stale generation 1 (current is 2)"

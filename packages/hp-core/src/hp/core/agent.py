@@ -21,7 +21,7 @@ from torch.distributed.elastic.multiprocessing.api import SignalException
 from hp.core import auth
 from hp.core.config import RunConfig
 from hp.core.control_plane import ControlClient, ControlServer
-from hp.core.controller import Controller, ControllerConfig
+from hp.core.controller import Controller, ControllerConfig, spare_id
 from hp.core.errors import ControlPlaneError, HpError
 from hp.core.plugins import get_backend
 from hp.core.store import StoreServer
@@ -62,7 +62,8 @@ class Agent:
         self.log_dir = config.log_dir or tempfile.mkdtemp(prefix=f"hp_{config.run_id}_")
         os.makedirs(self.log_dir, exist_ok=True)
         self.generation = 0
-        self.workers: list[Worker] = []
+        self.workers: list[Worker] = []  # processes holding a rank
+        self.spares: list[Worker] = []  # started, waiting to be given a rank
         self._server: ControlServer | None = None
         self._store: StoreServer | None = None
         self._done_reported = False
@@ -114,7 +115,7 @@ class Agent:
             store_host=self._store.host,
             store_port=self._store.port,
             decision_log=os.path.join(self.log_dir, "controller_decisions.jsonl"),
-        ))
+        ), publish=self._store.store.set)
         self._server = ControlServer(controller, self.token, ep.host, ep.port).start()
 
     def _call_until(self, client: ControlClient, verb: str, payload: dict, done, what: str) -> dict:
@@ -135,7 +136,8 @@ class Agent:
 
     def _rendezvous(self, client: ControlClient) -> Assignment:
         me = {"node_rank": self.cfg.node_rank}
-        self._call_until(client, "join", {**me, "nproc": self.cfg.nproc_per_node, "host": socket.gethostname()},
+        self._call_until(client, "join", {**me, "nproc": self.cfg.nproc_per_node, "spares": self.cfg.spares,
+                                           "host": socket.gethostname()},
                          lambda a: True, "joining the controller")
         a = self._call_until(client, "rendezvous", me, lambda a: a["state"] != "rendezvous", "rendezvous")
         if a["state"] != "running":
@@ -147,21 +149,32 @@ class Agent:
     def _start_workers(self, a: Assignment) -> None:
         command = python_command(self.cfg.entrypoint, self.cfg.args, self.cfg.module)
         self._assignment = a
+        os.makedirs(os.path.join(self.log_dir, "heartbeats"), exist_ok=True)
+        tee = Std(self.cfg.tee)
         for local_rank in range(self.cfg.nproc_per_node):
-            worker = Worker(a.rank_offset + local_rank, local_rank, command, self.log_dir, Std(self.cfg.tee))
-            self.workers.append(worker)
-            worker.start(self._worker_env(worker))
+            self.workers.append(Worker(a.rank_offset + local_rank, local_rank, command, self.log_dir, tee))
+        for i in range(self.cfg.spares):
+            self.spares.append(Worker(-1, -1, command, self.log_dir, tee, spare_id=spare_id(self.cfg.node_rank, i)))
+        for w in self.workers + self.spares:
+            w.start(self._worker_env(w))
 
     def _worker_env(self, w: Worker) -> dict[str, str]:
         a = self._assignment
         env = {k: v for k, v in self.transport.env_defaults().items() if k not in os.environ}
         if self.cfg.nproc_per_node > 1 and "OMP_NUM_THREADS" not in os.environ:
             env["OMP_NUM_THREADS"] = "1"  # as torchrun: N ranks on one host must not oversubscribe
+        if w.spare_id is None:
+            env.update({
+                "RANK": str(w.rank), "LOCAL_RANK": str(w.local_rank),
+                "ROLE_RANK": str(w.rank), "HP_ROLE": "worker",
+            })
+        else:  # a spare learns its rank from the controller when it is promoted
+            env.update({"HP_ROLE": "spare", "HP_SPARE_ID": w.spare_id})
+        w.heartbeat_file = os.path.join(self.log_dir, "heartbeats", f"{w.name}.attempt{w.restarts}")
         env.update({
-            "RANK": str(w.rank), "LOCAL_RANK": str(w.local_rank),
             "WORLD_SIZE": str(a.world_size), "LOCAL_WORLD_SIZE": str(self.cfg.nproc_per_node),
             "GROUP_RANK": str(self.cfg.node_rank), "GROUP_WORLD_SIZE": str(self.cfg.nnodes),
-            "ROLE_RANK": str(w.rank), "ROLE_WORLD_SIZE": str(a.world_size), "ROLE_NAME": "default",
+            "ROLE_WORLD_SIZE": str(a.world_size), "ROLE_NAME": "default",
             "MASTER_ADDR": a.store_host, "MASTER_PORT": str(a.store_port),
             # the store is hosted by the controller: every rank, rank 0 included, is a client
             "TORCHELASTIC_USE_AGENT_STORE": "True",
@@ -174,6 +187,8 @@ class Agent:
             "HP_STORE": self.store_backend.name,
             "HP_NODE_RANK": str(self.cfg.node_rank),
             "HP_RUN_ID": self.cfg.run_id,
+            "HP_LOG_DIR": self.log_dir,
+            "HP_HEARTBEAT_FILE": w.heartbeat_file,
         })
         return env
 
@@ -181,25 +196,37 @@ class Agent:
         return self._server.endpoint if self._server else str(self.cfg.controller_endpoint)
 
     def _stop_workers(self, sig: signal.Signals) -> None:
-        for w in self.workers:
+        for w in self.workers + self.spares:
             w.stop(sig)
 
     # ---- monitoring ---------------------------------------------------------------------
     def _monitor(self, client: ControlClient) -> int:
         next_beat = 0.0
         while True:
-            for w in self.workers:
+            for w in list(self.workers):
+                if w.running and self.cfg.hang_timeout_s and w.silent_for() > self.cfg.hang_timeout_s:
+                    say(f"rank {w.rank} (pid {w.pid}) hung: no heartbeat for {w.silent_for():.1f} s; killing it")
+                    w.kill_hung()
                 if w.running and (status := w.poll()) is not None and not status.ok:
                     self._on_failure(client, w)
+            for w in list(self.spares):
+                if w.running and w.poll() is not None:
+                    say(f"spare {w.spare_id} (pid {w.pid}) exited: {w.exit.describe()}")
+                    self.spares.remove(w)
+                    self._call(client, "spare_failed", {"spare": w.spare_id})
             if time.monotonic() >= next_beat:
                 next_beat = time.monotonic() + self.cfg.heartbeat_interval_s
                 beat = self._call(client, "heartbeat", {})
                 self.generation = max(self.generation, beat["generation"])
+                for promotion in beat.get("promotions", []):
+                    self._promote(promotion)
                 if beat["state"] == "failed":
                     raise JobFailed(beat["reason"])
                 if beat["state"] == "succeeded":
                     return 0
             if not self._done_reported and all(w.exit and w.exit.ok for w in self.workers):
+                for spare in self.spares:
+                    spare.stop(signal.SIGTERM)  # nothing left on this node for a spare to replace
                 self._call(client, "node_done", {}, fenced=True)
                 self._done_reported = True
                 if not self.cfg.hosts_controller:
@@ -228,18 +255,35 @@ class Agent:
 
     def _on_failure(self, client: ControlClient, w: Worker) -> None:
         st = w.exit
-        cause = f"killed by {st.signal}" if st.signal else f"exit code {st.exitcode}"
-        say(f"rank {w.rank} (local_rank {w.local_rank}, pid {st.pid}) failed: {cause}; reporting to the controller")
+        say(f"rank {w.rank} (pid {st.pid}) failed: {st.describe()}; reporting to the controller")
         decision = self._call(client, "worker_failed", {
-            "local_rank": w.local_rank, "pid": st.pid, "exitcode": st.exitcode,
+            "rank": w.rank, "pid": st.pid, "exitcode": st.exitcode,
             "signal": st.signal, "message": st.message,
         }, fenced=True)
-        if decision["action"] != "restart":
+        action = decision["action"]
+        if action == "stop":
             raise JobFailed(decision["reason"])
-        self.generation = decision["generation"]
-        w.restarts += 1
-        w.start(self._worker_env(w))
-        say(f"restarted rank {w.rank} as pid {w.pid} (generation {self.generation}, restart {w.restarts})")
+        self.generation = max(self.generation, decision["generation"])
+        if action == "restart":
+            w.restarts += 1
+            w.start(self._worker_env(w))
+            say(f"restarted rank {w.rank} as pid {w.pid} (generation {self.generation}, restart {w.restarts})")
+            return
+        self.workers.remove(w)  # the rank now lives in a spare process, here or on another node
+        if action == "promote_spare":
+            self._promote(decision)
+        else:
+            say(f"rank {w.rank} moved to a spare on node {decision['node']} (generation {self.generation})")
+
+    def _promote(self, promotion: dict) -> None:
+        spare = next((s for s in self.spares if s.spare_id == promotion["spare"]), None)
+        if spare is None:
+            return  # it died meanwhile; its own exit is reported as a worker failure of that rank
+        self.spares.remove(spare)
+        spare.rank = promotion["rank"]
+        self.workers.append(spare)
+        say(f"spare {spare.spare_id} (pid {spare.pid}) now holds rank {spare.rank} "
+            f"(generation {promotion['generation']})")
 
     def _tell_stopping(self, why: str) -> None:
         try:

@@ -47,10 +47,13 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
     a("--monitor-interval", "--monitor_interval", type=float, default=0.1, help="seconds between worker polls")
     a("--heartbeat-interval", type=float, default=1.0, help="seconds between agent heartbeats")
     a("--heartbeat-timeout", type=float, default=30.0, help="seconds of silence before a node counts as lost")
+    a("--hang-timeout", type=float, default=30.0,
+      help="kill a worker whose hp heartbeat is silent this long (0: never)")
     a("--rdzv-timeout", type=float, default=300.0, help="seconds to wait for every node to join")
     a("--log-dir", "--log_dir", default=None, help="worker logs go to LOG_DIR/rank<R>/attempt_<k>/")
     a("--tee", type=int, default=3, help="streams echoed with a [rankN]: prefix: 0 none, 1 out, 2 err, 3 both")
-    a("--spares", type=int, default=0, help="hot spare processes (hp-checkpointless)")
+    a("--spares", type=int, default=0,
+      help="hot spare processes on this node, given a failed rank (scripts using hp.checkpointless)")
     a("--transport", default="gloo", help="collective transport plugin (see `hp backends`)")
     a("--store", default="tcp", help="coordination store plugin")
     a("--run-id", default=None, help="job id shared by every node (default: random)")
@@ -70,7 +73,7 @@ def _run(args: argparse.Namespace) -> int:
         rdzv_endpoint=parse_endpoint(args.rdzv_endpoint) if args.rdzv_endpoint else None,
         external_controller=args.external_controller, max_restarts=args.max_restarts,
         monitor_interval_s=args.monitor_interval, heartbeat_interval_s=args.heartbeat_interval,
-        heartbeat_timeout_s=args.heartbeat_timeout, rdzv_timeout_s=args.rdzv_timeout,
+        heartbeat_timeout_s=args.heartbeat_timeout, hang_timeout_s=args.hang_timeout, rdzv_timeout_s=args.rdzv_timeout,
         log_dir=args.log_dir, tee=args.tee, spares=args.spares, transport=args.transport, store=args.store,
     )
     if args.run_id:
@@ -105,7 +108,7 @@ def _controller(args: argparse.Namespace) -> int:
     controller = Controller(ControllerConfig(
         nnodes=args.nnodes, max_restarts=args.max_restarts, heartbeat_timeout_s=args.heartbeat_timeout,
         store_host=store.host, store_port=store.port, decision_log=args.decision_log,
-    ))
+    ), publish=store.store.set)
     server = ControlServer(controller, token, args.host, args.port).start()
     print(f"hp controller: listening on {server.endpoint}, store on {store.host}:{store.port}", flush=True)
     stop = []

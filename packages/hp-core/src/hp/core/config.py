@@ -56,6 +56,7 @@ class RunConfig:
     monitor_interval_s: float = 0.1
     heartbeat_interval_s: float = 1.0
     heartbeat_timeout_s: float = 30.0
+    hang_timeout_s: float = 30.0  # a worker silent this long is killed (0: never); hp.checkpointless beats
     rdzv_timeout_s: float = 300.0
     log_dir: str | None = None
     tee: int = 3  # torch.distributed.elastic Std bitmask: 1 stdout, 2 stderr, 3 both
@@ -76,6 +77,7 @@ class RunConfig:
              "--heartbeat-timeout must exceed the heartbeat interval"),
             (self.tee in (0, 1, 2, 3), f"--tee must be 0, 1, 2 or 3, got {self.tee}"),
             (self.spares >= 0, f"--spares must be >= 0, got {self.spares}"),
+            (self.hang_timeout_s >= 0, f"--hang-timeout must be >= 0, got {self.hang_timeout_s}"),
             (bool(self.entrypoint), "a training script (or -m module) is required"),
         ]
         for ok, message in checks:
@@ -85,9 +87,6 @@ class RunConfig:
         if multi_node and (self.rdzv_endpoint is None or self.rdzv_endpoint.port == 0):
             raise UsageError("--rdzv-endpoint HOST:PORT with a fixed port is required when "
                              "--nnodes > 1 or the controller is external")
-        if self.spares:
-            raise UsageError("--spares: hot spares need hp-checkpointless's in-process recovery, "
-                             "which is not implemented yet (issue 3)")
 
     @property
     def hosts_controller(self) -> bool:

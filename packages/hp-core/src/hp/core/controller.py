@@ -18,6 +18,22 @@ from typing import Any, Callable
 
 log = logging.getLogger("hp.controller")
 
+# Store keys the controller publishes for workers (see hp.checkpointless): the latest generation,
+# the plan of each generation, and the rank given to a promoted spare.
+GENERATION_KEY = "hp/generation"
+
+
+def generation_key(generation: int) -> str:
+    return f"hp/plan/{generation}"
+
+
+def spare_key(spare: str) -> str:
+    return f"hp/spare/{spare}"
+
+
+def spare_id(node_rank: int, index: int) -> str:
+    return f"n{node_rank}s{index}"
+
 
 class JobState(str, Enum):
     RENDEZVOUS = "rendezvous"
@@ -39,9 +55,11 @@ class NodeRecord:
     node_rank: int
     nproc: int
     host: str
+    spares: int = 0
     rank_offset: int = 0
     last_seen: float = 0.0
     done: bool = False
+    promotions: list[dict] = field(default_factory=list)  # spares of this node given a rank, not yet told
 
 
 @dataclass
@@ -52,6 +70,7 @@ class ControllerConfig:
     store_host: str = "127.0.0.1"
     store_port: int = 0
     decision_log: str | None = None  # JSON-lines file; None keeps the log in memory only
+    max_rank_exceptions: int = 2  # in-process recoveries one rank may cause before it is replaced
 
 
 def describe_exit(exitcode: int | None, signal_name: str | None) -> str:
@@ -70,21 +89,28 @@ def _field(payload: dict, name: str, kind: type | tuple[type, ...]) -> Any:
 class Controller:
     """One per job. Thread-safe: the control server calls it from several threads."""
 
-    def __init__(self, config: ControllerConfig, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, config: ControllerConfig, clock: Callable[[], float] = time.monotonic,
+                 publish: Callable[[str, str], None] | None = None) -> None:
         self.config = config
         self._clock = clock
+        self._publish_fn = publish
         self._lock = threading.Lock()
         self.generation = 0
         self.state = JobState.RENDEZVOUS
         self.reason = ""
         self.restarts = 0
         self.nodes: dict[int, NodeRecord] = {}
+        self.members: dict[int, int] = {}  # rank -> node_rank currently holding it
+        self.free_spares: dict[str, int] = {}  # spare id -> node_rank
+        self.rank_exceptions: dict[int, int] = {}
         self.decisions: list[dict] = []
         self._handlers = {
             "join": self._join,
             "rendezvous": self._rendezvous,
             "heartbeat": self._heartbeat,
             "worker_failed": self._worker_failed,
+            "rank_failed": self._rank_failed,
+            "spare_failed": self._spare_failed,
             "node_done": self._node_done,
             "node_stopping": self._node_stopping,
             "state": lambda p: self.snapshot(),
@@ -116,7 +142,6 @@ class Controller:
             for node in self.nodes.values():
                 silent = now - node.last_seen
                 if not node.done and silent > self.config.heartbeat_timeout_s:
-                    self._bump("node_lost", node_rank=node.node_rank)
                     self._fail(f"node {node.node_rank} ({node.host}) lost: no heartbeat for {silent:.1f} s")
                     return
 
@@ -126,6 +151,8 @@ class Controller:
             "generation": self.generation,
             "reason": self.reason,
             "restarts": self.restarts,
+            "members": dict(self.members),
+            "free_spares": sorted(self.free_spares),
             "nodes": {n.node_rank: {"host": n.host, "nproc": n.nproc, "done": n.done} for n in self.nodes.values()},
             "decisions": len(self.decisions),
         }
@@ -141,10 +168,27 @@ class Controller:
     def _bump(self, why: str, **details: Any) -> None:
         self.generation += 1
         self._log("new_generation", why=why, **details)
+        self._publish_generation(why)
+
+    def _publish_generation(self, why: str) -> None:
+        """Tell every worker through the store: the plan of the new generation first, then its
+        number, so a worker that sees the number can always read the plan."""
+        world = sum(n.nproc for n in self.nodes.values())
+        plan = {"generation": self.generation, "world_size": world, "why": why,
+                "state": self.state.value, "reason": self.reason}
+        self._publish(generation_key(self.generation), json.dumps(plan))
+        self._publish(GENERATION_KEY, str(self.generation))
+
+    def _publish(self, key: str, value: str) -> None:
+        if self._publish_fn is not None:
+            self._publish_fn(key, value)
 
     def _fail(self, reason: str) -> None:
+        # Ending the job is the last membership change: workers waiting for a new generation
+        # read its plan and stop.
         self.state, self.reason = JobState.FAILED, reason
         self._log("fail_job", reason=reason)
+        self._bump("job_failed")
 
     def _fence(self, payload: dict) -> NodeRecord:
         generation = _field(payload, "generation", int)
@@ -174,6 +218,9 @@ class Controller:
         node_rank = _field(p, "node_rank", int)
         nproc = _field(p, "nproc", int)
         host = _field(p, "host", str)
+        spares = p.get("spares", 0)
+        if not isinstance(spares, int) or isinstance(spares, bool) or spares < 0:
+            raise Refused(400, "malformed request: field 'spares' must be an int >= 0")
         if not 0 <= node_rank < self.config.nnodes:
             raise Refused(400, f"node_rank {node_rank} outside [0, {self.config.nnodes})")
         if nproc < 1:
@@ -181,16 +228,18 @@ class Controller:
         known = self.nodes.get(node_rank)
         if self.state is not JobState.RENDEZVOUS:
             raise Refused(409, f"job is {self.state.value}; node {node_rank} cannot join now")
-        if known and (known.nproc, known.host) != (nproc, host):
+        if known and (known.nproc, known.host, known.spares) != (nproc, host, spares):
             raise Refused(409, f"node_rank {node_rank} already joined from {known.host}")
-        self.nodes[node_rank] = NodeRecord(node_rank, nproc, host)
-        self._log("join", node_rank=node_rank, host=host, nproc=nproc)
+        self.nodes[node_rank] = NodeRecord(node_rank, nproc, host, spares)
+        self._log("join", node_rank=node_rank, host=host, nproc=nproc, spares=spares)
         if len(self.nodes) == self.config.nnodes:
             offset = 0
-            for rank in sorted(self.nodes):
-                self.nodes[rank].rank_offset = offset
-                self.nodes[rank].last_seen = self._clock()
-                offset += self.nodes[rank].nproc
+            for node in (self.nodes[n] for n in sorted(self.nodes)):
+                node.rank_offset = offset
+                node.last_seen = self._clock()
+                self.members.update({r: node.node_rank for r in range(offset, offset + node.nproc)})
+                self.free_spares.update({spare_id(node.node_rank, i): node.node_rank for i in range(node.spares)})
+                offset += node.nproc
             self.state = JobState.RUNNING
             self._bump("rendezvous_complete", world_size=offset)
         return {"joined": True}
@@ -217,29 +266,79 @@ class Controller:
         node = self._node(p)
         _field(p, "generation", int)
         node.last_seen = self._clock()
-        return {"state": self.state.value, "generation": self.generation, "reason": self.reason}
+        promotions, node.promotions = node.promotions, []
+        return {"state": self.state.value, "generation": self.generation, "reason": self.reason,
+                "promotions": promotions}
+
+    def _member_rank(self, p: dict, node: NodeRecord) -> int:
+        rank = _field(p, "rank", int)
+        if self.members.get(rank) != node.node_rank:
+            raise Refused(403, f"rank {rank} is not held by node {node.node_rank}")
+        return rank
 
     def _worker_failed(self, p: dict) -> dict:
+        """A worker process died. Its rank goes to a free spare (this node's first), else the
+        process is restarted within the budget, else the job stops."""
         node = self._fence(p)
         self._require_running()
-        local_rank = _field(p, "local_rank", int)
-        if not 0 <= local_rank < node.nproc:
-            raise Refused(400, f"local_rank {local_rank} outside [0, {node.nproc})")
-        exitcode = p.get("exitcode")
-        signal_name = p.get("signal")
-        rank = node.rank_offset + local_rank
-        who = f"rank {rank} (node {node.node_rank}, local_rank {local_rank}, pid {p.get('pid')})"
+        rank = self._member_rank(p, node)
+        exitcode, signal_name = p.get("exitcode"), p.get("signal")
+        who = f"rank {rank} (node {node.node_rank}, pid {p.get('pid')})"
         cause = describe_exit(exitcode, signal_name if isinstance(signal_name, str) else None)
+        spare = self._pick_spare(node.node_rank)
+        if spare is not None:
+            owner = self.free_spares.pop(spare)
+            self.members[rank] = owner
+            self._bump("spare_promoted", rank=rank, spare=spare, cause=cause)
+            self._log("promote_spare", rank=rank, spare=spare, spare_node=owner, failed_node=node.node_rank,
+                      cause=cause)
+            self._publish(spare_key(spare), json.dumps({"rank": rank, "generation": self.generation}))
+            promotion = {"spare": spare, "rank": rank, "generation": self.generation}
+            if owner == node.node_rank:
+                return {"action": "promote_spare", **promotion}
+            self.nodes[owner].promotions.append(promotion)
+            return {"action": "moved", "rank": rank, "node": owner, "generation": self.generation}
         if self.restarts < self.config.max_restarts:
             self.restarts += 1
             self._bump("worker_restart", rank=rank, cause=cause)
-            self._log("restart_worker", rank=rank, node_rank=node.node_rank, local_rank=local_rank,
-                      cause=cause, restarts=self.restarts)
+            self._log("restart_worker", rank=rank, node_rank=node.node_rank, cause=cause, restarts=self.restarts)
             return {"action": "restart", "generation": self.generation, "rank": rank}
         message = p.get("message")
         detail = f": {message}" if isinstance(message, str) and message else ""
-        self._fail(f"{who} {cause}{detail}; restarts exhausted ({self.restarts}/{self.config.max_restarts})")
+        spares = sum(n.spares for n in self.nodes.values())
+        spent = f"restarts exhausted ({self.restarts}/{self.config.max_restarts})"
+        if spares:
+            spent = f"no spare left ({spares} started) and {spent}"
+        self._fail(f"{who} {cause}{detail}; {spent}")
         return {"action": "stop", "reason": self.reason, "generation": self.generation}
+
+    def _pick_spare(self, node_rank: int) -> str | None:
+        local = sorted(s for s, n in self.free_spares.items() if n == node_rank)
+        return (local or sorted(self.free_spares) or [None])[0]
+
+    def _rank_failed(self, p: dict) -> dict:
+        """A worker recovered in process from a failure of its own step (an exception, a
+        collective error nobody explained): same membership, new generation. A rank that keeps
+        failing is told to exit, so that its process is replaced."""
+        node = self._fence(p)
+        self._require_running()
+        rank = self._member_rank(p, node)
+        reason = p.get("reason") if isinstance(p.get("reason"), str) else "failure"
+        count = self.rank_exceptions[rank] = self.rank_exceptions.get(rank, 0) + 1
+        if count > self.config.max_rank_exceptions:
+            self._log("escalate", rank=rank, reason=reason, failures=count)
+            return {"action": "exit", "generation": self.generation,
+                    "reason": f"rank {rank} failed in process {count} times"}
+        self._bump("in_process_recovery", rank=rank, reason=reason)
+        return {"action": "reform", "generation": self.generation}
+
+    def _spare_failed(self, p: dict) -> dict:
+        node = self._node(p)
+        spare = _field(p, "spare", str)
+        if self.free_spares.get(spare) == node.node_rank:
+            del self.free_spares[spare]
+            self._log("spare_lost", spare=spare, node_rank=node.node_rank)
+        return {"free_spares": len(self.free_spares)}
 
     def _node_done(self, p: dict) -> dict:
         node = self._fence(p)
@@ -254,6 +353,5 @@ class Controller:
         node = self._node(p)
         why = p.get("reason") if isinstance(p.get("reason"), str) else "stopping"
         if self.state in (JobState.RUNNING, JobState.RENDEZVOUS):
-            self._bump("node_stopping", node_rank=node.node_rank)
             self._fail(f"node {node.node_rank} stopped: {why}")
         return {"state": self.state.value}

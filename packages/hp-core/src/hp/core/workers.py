@@ -11,17 +11,19 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import time
 from dataclasses import dataclass, field
 
 from torch.distributed.elastic.multiprocessing import LogsDest, LogsSpecs, PContext, Std, start_processes
 
 
 class WorkerLogsSpecs(LogsSpecs):
-    """Logs of one worker under ``<log_dir>/rank<R>/attempt_<k>/{stdout,stderr}.log, error.json``."""
+    """Logs of one worker under ``<log_dir>/<name>/attempt_<k>/{stdout,stderr}.log, error.json``
+    where name is ``rank<R>`` or ``spare-<id>`` (a spare keeps its log name once promoted)."""
 
-    def __init__(self, log_dir: str, rank: int, tee: Std) -> None:
+    def __init__(self, log_dir: str, name: str, tee: Std) -> None:
         super().__init__(log_dir, redirects=tee, tee=tee)
-        self._rank = rank
+        self._name = name
 
     @property
     def root_log_dir(self) -> str:
@@ -29,7 +31,7 @@ class WorkerLogsSpecs(LogsSpecs):
 
     def reify(self, envs: dict[int, dict[str, str]]) -> LogsDest:
         attempt = envs[0].get("TORCHELASTIC_RESTART_COUNT", "0")
-        d = os.path.join(self.root_log_dir, f"rank{self._rank}", f"attempt_{attempt}")
+        d = os.path.join(self.root_log_dir, self._name, f"attempt_{attempt}")
         os.makedirs(d, exist_ok=True)
         tee = Std(self._tee) if not isinstance(self._tee, dict) else Std.NONE
         out, err = os.path.join(d, "stdout.log"), os.path.join(d, "stderr.log")
@@ -57,6 +59,9 @@ class ExitStatus:
     def ok(self) -> bool:
         return self.exitcode == 0
 
+    def describe(self) -> str:
+        return f"killed by {self.signal}" if self.signal else f"exit code {self.exitcode}"
+
 
 @dataclass
 class Worker:
@@ -68,20 +73,27 @@ class Worker:
     log_dir: str
     tee: Std
     restarts: int = 0
+    spare_id: str | None = None  # set while (and after) this process was started as a hot spare
+    heartbeat_file: str = ""  # touched by hp.checkpointless workers; silence means a hang
     exit: ExitStatus | None = None
     _ctx: PContext | None = field(default=None, repr=False)
     pid: int = 0
+    hung: bool = False
+
+    @property
+    def name(self) -> str:
+        return f"spare-{self.spare_id}" if self.spare_id else f"rank{self.rank}"
 
     def start(self, env: dict[str, str]) -> None:
         env = {**env, "TORCHELASTIC_RESTART_COUNT": str(self.restarts)}
         self.exit = None
         self._ctx = start_processes(
-            name=f"rank{self.rank}",
+            name=self.name,
             entrypoint=self.command[0],
             args={0: tuple(self.command[1:])},
             envs={0: env},
-            logs_specs=WorkerLogsSpecs(self.log_dir, self.rank, self.tee),
-            log_line_prefixes={0: f"[rank{self.rank}]:"},
+            logs_specs=WorkerLogsSpecs(self.log_dir, self.name, self.tee),
+            log_line_prefixes={0: f"[{self.name}]:"},
         )
         self.pid = self._ctx.pids()[0]
 
@@ -108,6 +120,17 @@ class Worker:
                 message = ""  # elastic's placeholder text, not something the worker said
             self.exit = ExitStatus(failure.pid, failure.exitcode, sig, message)
         return self.exit
+
+    def silent_for(self) -> float:
+        """Seconds since the worker last touched its heartbeat file (0 if it never did)."""
+        try:
+            return time.time() - os.stat(self.heartbeat_file).st_mtime
+        except (OSError, ValueError):
+            return 0.0
+
+    def kill_hung(self) -> None:
+        self.hung = True
+        os.kill(self.pid, signal.SIGKILL)
 
     def stop(self, sig: signal.Signals = signal.SIGTERM, timeout_s: float = 10.0) -> None:
         if self._ctx is not None:
