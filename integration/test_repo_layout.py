@@ -12,7 +12,7 @@ import subprocess
 import sys
 import zipfile
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import pytest
 

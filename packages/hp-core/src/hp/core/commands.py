@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import signal
-import sys
 import time
 
 from hp.core import auth

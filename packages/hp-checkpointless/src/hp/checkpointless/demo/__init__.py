@@ -1,0 +1,1 @@
+"""The `hp demo` job, its model and its orchestration."""

@@ -1,0 +1,34 @@
+"""A small GPT-style decoder for the demo, the examples and the benchmarks."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class TinyGPT(nn.Module):
+    def __init__(self, vocab: int = 256, d_model: int = 64, layers: int = 2, heads: int = 4, seq: int = 64,
+                 dropout: float = 0.0) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(vocab, d_model)
+        self.pos = nn.Parameter(torch.zeros(seq, d_model))
+        layer = nn.TransformerEncoderLayer(d_model, heads, 4 * d_model, dropout=dropout, batch_first=True, norm_first=True)
+        self.blocks = nn.TransformerEncoder(layer, layers, enable_nested_tensor=False)
+        self.head = nn.Linear(d_model, vocab)
+        self.register_buffer("mask", nn.Transformer.generate_square_subsequent_mask(seq), persistent=False)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        h = self.tok(tokens) + self.pos[: tokens.shape[1]]
+        return self.head(self.blocks(h, mask=self.mask[: tokens.shape[1], : tokens.shape[1]], is_causal=True))
+
+
+MODEL_SIZES = {  # name -> (d_model, layers, heads); "25m" is the INFRA baseline model
+    "tiny": (64, 2, 4),
+    "small": (128, 4, 4),
+    "25m": (512, 6, 8),
+}
+
+
+def build_model(size: str, vocab: int, seq: int, dropout: float = 0.0) -> TinyGPT:
+    d_model, layers, heads = MODEL_SIZES[size]
+    return TinyGPT(vocab=vocab, d_model=d_model, layers=layers, heads=heads, seq=seq, dropout=dropout)

@@ -1,0 +1,56 @@
+"""The `hp demo` training job: a small GPT on the node's mmap-cached corpus, recoverable in process.
+
+    hp run --nproc-per-node 4 --spares 1 -m hp.checkpointless.demo.train --steps 40
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+import torch.nn.functional as F
+
+from hp.checkpointless import recoverable
+from hp.checkpointless.data import Batches, TokenCache, synthetic_corpus, tokenize
+from hp.checkpointless.demo.model import MODEL_SIZES, build_model
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--batch-size", type=int, default=8)
+    p.add_argument("--seq", type=int, default=64)
+    p.add_argument("--vocab", type=int, default=256)
+    p.add_argument("--model-size", choices=sorted(MODEL_SIZES), default="tiny")
+    p.add_argument("--dropout", type=float, default=0.1)
+    p.add_argument("--corpus-mb", type=int, default=16)
+    p.add_argument("--seed", type=int, default=0)
+    return p.parse_args(argv)
+
+
+@recoverable
+def main(ctx) -> None:
+    args = parse_args()
+    corpus_key = f"hp-demo-{args.corpus_mb}mb-v{args.vocab}-s{args.seed}"
+    cache = TokenCache.open(corpus_key, lambda: tokenize(synthetic_corpus(args.corpus_mb << 20, args.seed), args.vocab))
+    ctx.events.record("data_attached", rank=ctx.rank, built=cache.built, open_s=cache.open_s)
+    batches = Batches(cache, args.seq, args.batch_size, args.seed)
+
+    torch.manual_seed(args.seed)
+    model = build_model(args.model_size, args.vocab, args.seq, args.dropout)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=args.steps)
+    ctx.register(model, optimizer, scheduler)
+
+    for step in ctx.steps(args.steps):
+        with step:
+            x, y = batches.get(step, ctx.rank, ctx.world_size)
+            loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+            loss.backward()
+            ctx.commit(loss)
+        if ctx.rank == 0 and ctx.committed == step:
+            print(f"step {step:3d} loss {ctx.last_loss:.4f} (generation {ctx.generation})", flush=True)
+
+
+if __name__ == "__main__":
+    main()

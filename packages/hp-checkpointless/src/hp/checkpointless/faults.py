@@ -1,0 +1,72 @@
+"""Deterministic in-process fault injection at a step and phase (tests, `hp demo`, hp-chaos).
+
+A plan is a JSON list in ``HP_FAULTS``:
+``[{"at_step": 12, "phase": "allreduce", "kind": "kill", "rank": 1}]``. Kinds: ``kill`` (SIGKILL
+itself), ``hang`` (SIGSTOP itself: only the agent's heartbeat watch notices), ``exception`` (raise
+:class:`InjectedFault`, the CPU stand-in for a recoverable device error). Phases: ``forward``,
+``allreduce``, ``commit``, ``optimizer``, ``hydration``. A fault fires once, and only in the
+process that first held the rank: never in a spare or a restarted process, so a replayed step
+runs clean.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+from collections.abc import Callable
+from dataclasses import dataclass
+
+PHASES = ("forward", "allreduce", "commit", "optimizer", "hydration")
+KINDS = ("kill", "hang", "exception")
+
+
+class InjectedFault(RuntimeError):
+    """Raised by an ``exception`` fault inside the step."""
+
+
+@dataclass(frozen=True)
+class Fault:
+    at_step: int
+    phase: str
+    kind: str
+    rank: int
+
+    @classmethod
+    def parse(cls, raw: dict) -> Fault:
+        try:
+            fault = cls(int(raw["at_step"]), str(raw.get("phase", "forward")), str(raw["kind"]), int(raw["rank"]))
+        except (KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"HP_FAULTS: bad fault {raw!r}: {e}") from None
+        if fault.phase not in PHASES or fault.kind not in KINDS:
+            raise ValueError(f"HP_FAULTS: phase must be one of {PHASES} and kind one of {KINDS}: {raw!r}")
+        return fault
+
+
+class FaultPlan:
+    def __init__(self, faults: list[Fault], armed: bool) -> None:
+        self.faults = faults
+        self.armed = armed  # only the process that first held its rank injects
+        self._fired: set[Fault] = set()
+
+    @classmethod
+    def from_env(cls, env=os.environ) -> FaultPlan:
+        raw = env.get("HP_FAULTS", "").strip()
+        faults = [Fault.parse(f) for f in json.loads(raw)] if raw else []
+        original = env.get("HP_ROLE", "worker") == "worker" and env.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+        return cls(faults, armed=original)
+
+    def fire(self, step: int, phase: str, rank: int, record: Callable[[Fault], None]) -> None:
+        """Inject the fault planned for (step, phase, rank), if any; ``record`` is called first."""
+        if not self.armed:
+            return
+        for fault in self.faults:
+            if (fault.at_step, fault.phase, fault.rank) == (step, phase, rank) and fault not in self._fired:
+                self._fired.add(fault)
+                record(fault)
+                if fault.kind == "kill":
+                    os.kill(os.getpid(), signal.SIGKILL)
+                elif fault.kind == "hang":
+                    os.kill(os.getpid(), signal.SIGSTOP)
+                else:
+                    raise InjectedFault(f"injected exception at step {step} ({phase}) on rank {rank}")

@@ -1,0 +1,130 @@
+"""A worker's view of the job's membership, read from the coordination store.
+
+The controller publishes (see :mod:`hp.core.controller`) the plan of every generation, then the
+generation number, and the rank it gives a promoted spare. Workers only read; every decision is the
+controller's. A background watch thread beats the heartbeat file the agent uses to detect hangs and
+aborts the process group as soon as a newer generation appears, which releases a rank blocked in a
+collective whose peer is gone.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch.distributed as dist
+
+from hp.core.controller import GENERATION_KEY, generation_key, spare_key
+
+
+class Superseded(RuntimeError):
+    """A newer generation appeared while this one was forming."""
+
+
+@dataclass(frozen=True)
+class Plan:
+    generation: int
+    world_size: int
+    state: str
+    reason: str
+
+
+def latest_generation(store: dist.Store) -> int:
+    return int(store.get(GENERATION_KEY)) if store.check([GENERATION_KEY]) else 0
+
+
+def read_plan(store: dist.Store, generation: int) -> Plan:
+    raw = json.loads(store.get(generation_key(generation)))
+    return Plan(raw["generation"], int(raw.get("world_size", 0)), raw["state"], raw.get("reason", ""))
+
+
+def wait_for_generation(store: dist.Store, minimum: int, poll_s: float = 0.005,
+                        on_slow: Callable[[], None] | None = None, slow_after_s: float = 2.0,
+                        timeout_s: float = 600.0) -> Plan:
+    """Block until generation >= ``minimum`` is published; returns its plan. ``on_slow`` runs once
+    if nothing came within ``slow_after_s`` (a failure no agent reported: ask the controller)."""
+    start = time.monotonic()
+    slow_called = False
+    while True:
+        latest = latest_generation(store)
+        if latest >= minimum:
+            return read_plan(store, latest)
+        waited = time.monotonic() - start
+        if on_slow is not None and not slow_called and waited > slow_after_s:
+            slow_called = True
+            on_slow()
+        if waited > timeout_s:
+            raise TimeoutError(f"no generation >= {minimum} published within {timeout_s:.0f} s")
+        time.sleep(poll_s)
+
+
+def wait_for_assignment(store: dist.Store, spare: str, poll_s: float = 0.005) -> tuple[int, int]:
+    """Block a hot spare until the controller gives it a rank; returns (rank, generation)."""
+    key = spare_key(spare)
+    while not store.check([key]):
+        time.sleep(poll_s)
+    raw = json.loads(store.get(key))
+    return int(raw["rank"]), int(raw["generation"])
+
+
+def arrive(store: dist.Store, generation: int, world_size: int, poll_s: float = 0.002) -> None:
+    """Barrier of one generation on the store, abandoned (``Superseded``) if a newer generation
+    appears: only then is the process group initialised, so init never waits on a dead rank."""
+    prefixed = dist.PrefixStore(f"hp/arrive/{generation}/", store)
+    prefixed.add("count", 1)
+    while prefixed.add("count", 0) < world_size:
+        if latest_generation(store) > generation:
+            raise Superseded(f"generation {generation} superseded while forming")
+        time.sleep(poll_s)
+
+
+class Watch:
+    """Background thread: beats the heartbeat file and aborts a superseded process group."""
+
+    def __init__(self, connect: Callable[[], dist.Store], heartbeat_file: str | None,
+                 on_superseded: Callable[[int], None], period_s: float = 0.01, beat_every_s: float = 0.1) -> None:
+        self._connect, self._heartbeat_file = connect, heartbeat_file
+        self._on_superseded = on_superseded
+        self._period, self._beat_every = period_s, beat_every_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="hp-watch", daemon=True)
+
+    def start(self) -> Watch:
+        self.beat()
+        self._thread.start()
+        return self
+
+    def beat(self) -> None:
+        if self._heartbeat_file:
+            with open(self._heartbeat_file, "a"):
+                os.utime(self._heartbeat_file)
+
+    def _run(self) -> None:
+        store = self._connect()  # its own connection: store clients are not shared across threads
+        last_beat = 0.0
+        while not self._stop.wait(self._period):
+            now = time.monotonic()
+            if now - last_beat >= self._beat_every:
+                self.beat()
+                last_beat = now
+            try:
+                self._on_superseded(latest_generation(store))
+            except Exception:  # the store is gone at job end; the main thread notices on its own
+                if self._stop.is_set():
+                    return
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=2)
+
+
+def connect_store(host: str, port: int, timeout: timedelta = timedelta(seconds=60)) -> dist.Store:
+    from hp.core.plugins import get_backend
+
+    return get_backend("store", os.environ.get("HP_STORE", "tcp")).connect(host, port, timeout)

@@ -1,0 +1,334 @@
+"""In-process recovery: the restart block around each training step and the step-commit protocol.
+
+A step is a transaction: forward/backward (user code) → gradient all-reduce → commit vote →
+optimizer step. A failure before the vote leaves every survivor at its last committed state (the
+optimizer has not run) and the step is replayed with the same batch. After re-forming the process
+group of a new generation, ranks agree on the newest committed step and the ranks behind it (a
+promoted spare, a restarted process, a rank that failed after the vote) pull the state from a peer
+that has it (:mod:`hp.checkpointless.state`). Survivors never re-import torch or rebuild anything.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Iterator
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from hp.checkpointless import membership, state
+from hp.checkpointless.rng import capture_rng, restore_rng
+from hp.checkpointless.events import EventLog
+from hp.checkpointless.faults import FaultPlan
+from hp.core.auth import TOKEN_ENV
+from hp.core.control_plane import ControlClient
+from hp.core.errors import ControlPlaneError, UsageError
+from hp.core.plugins import get_backend
+
+EXIT_ESCALATED = 75  # EX_TEMPFAIL: this rank keeps failing; the agent replaces the process
+
+
+class CollectiveError(RuntimeError):
+    """A collective of the current generation failed or was aborted."""
+
+
+class JobEnded(SystemExit):
+    """The controller ended the job, or fenced this process out; exits non-zero quietly."""
+
+
+class Step(int):
+    """A step index that is also the restart block of that step: ``with step: ...``."""
+
+    _ctx: Context
+
+    def __new__(cls, value: int, ctx: Context) -> Step:
+        obj = super().__new__(cls, value)
+        obj._ctx = ctx
+        return obj
+
+    def __enter__(self) -> Step:
+        self._ctx._phase(self, "forward")
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> bool:
+        return self._ctx._end_step(self, exc)
+
+
+class Context:
+    """What a training function wrapped by :func:`recoverable` gets: identity, state registration,
+    and the step loop. Read-only attributes: ``rank``, ``world_size``, ``generation``, ``committed``
+    (last committed step, -1 before the first), ``device``, ``last_loss``."""
+
+    def __init__(self, env=os.environ, pg_timeout: timedelta = timedelta(seconds=60)) -> None:
+        if "HP_GENERATION" not in env:
+            raise UsageError("hp.checkpointless needs `hp run` (HP_GENERATION is not set)")
+        self.role = env.get("HP_ROLE", "worker")
+        self.spare_id = env.get("HP_SPARE_ID")
+        self.rank: int = int(env["RANK"]) if self.role == "worker" else -1
+        self.world_size = int(env["WORLD_SIZE"])
+        self.node_rank = int(env.get("HP_NODE_RANK", "0"))
+        self.generation = 0  # of the process group this process is in (0: none yet)
+        self.committed = -1
+        self.last_loss: float | None = None
+        self._start_generation = int(env["HP_GENERATION"])
+        self._store_addr = (env["MASTER_ADDR"], int(env["MASTER_PORT"]))
+        self._transport = get_backend("transport", env.get("HP_TRANSPORT", "gloo"))
+        self._pg_timeout = pg_timeout
+        self._store = membership.connect_store(*self._store_addr)
+        self._controller = ControlClient(env.get("HP_CONTROLLER", ""), env.get(TOKEN_ENV, ""))
+        log_dir = env.get("HP_LOG_DIR")
+        name = f"rank{self.rank}" if self.role == "worker" else f"spare-{self.spare_id}"
+        self.events = EventLog(os.path.join(log_dir, "events") if log_dir else None, name)
+        self._faults = FaultPlan.from_env(env)
+        self._model: torch.nn.Module | None = None
+        self._optimizer: torch.optim.Optimizer | None = None
+        self._scheduler: Any = None
+        self._extra: Any = None
+        self._grads: torch.Tensor | None = None  # one flat buffer, allocated once
+        self._vote = torch.zeros(2, dtype=torch.float64)
+        self._agree: torch.Tensor | None = None
+        self._rng: dict | None = None
+        self._pg_lock = threading.Lock()
+        self._pg_live = False
+        self._latest = 0  # newest generation the watch thread has seen
+        self._step: Step | None = None
+        self._step_done = False
+        self._watch = membership.Watch(
+            lambda: membership.connect_store(*self._store_addr), env.get("HP_HEARTBEAT_FILE"), self._on_generation,
+        ).start()
+
+    # ---- user API -----------------------------------------------------------------------
+    @property
+    def device(self) -> torch.device:
+        return torch.device(self._transport.device_for(int(os.environ.get("LOCAL_RANK", "0"))))
+
+    def register(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
+                 scheduler: Any = None, extra: Any = None) -> None:
+        """Declare the training state hp keeps consistent and copies to a replacement rank.
+        ``extra``: anything with ``state_dict()``/``load_state_dict()`` returning JSON-able data."""
+        self._model, self._optimizer, self._scheduler, self._extra = model, optimizer, scheduler, extra
+        self._rng = capture_rng()
+
+    def steps(self, total: int) -> Iterator[Step]:
+        """Yield steps from the first uncommitted one to ``total - 1``; a step that failed is
+        yielded again (same index, so the same batch) after recovery."""
+        if self._model is None:
+            raise UsageError("call ctx.register(model, optimizer, ...) before ctx.steps()")
+        self._join()
+        try:
+            while self.committed + 1 < total:
+                self._step, self._step_done = Step(self.committed + 1, self), False
+                yield self._step
+                if not self._step_done:
+                    raise UsageError("each step must end with ctx.commit(loss)")
+        finally:
+            self._shutdown()
+
+    def commit(self, loss: torch.Tensor) -> float:
+        """Average gradients across ranks, vote, and apply the optimizer step; returns the global
+        mean loss. Raises :class:`CollectiveError` if a peer fails before the vote completes."""
+        step = self._step
+        params = [p for p in self._model.parameters() if p.requires_grad]
+        self._phase(step, "allreduce")
+        grads = self._flat_grads(params)
+        self._collective(dist.all_reduce, grads)
+        grads.div_(self.world_size)
+        self._unflatten_grads(params, grads)
+        self._phase(step, "commit")
+        vote = self._vote
+        vote[0], vote[1] = 1.0, float(loss.detach())
+        self._collective(dist.all_reduce, vote)
+        if int(vote[0]) != self.world_size:
+            raise CollectiveError(f"commit vote of step {step}: {int(vote[0])}/{self.world_size}")
+        # committed: from here on, survivors finish the step whatever happens to peers
+        self._phase(step, "optimizer")
+        if self._optimizer is not None:
+            self._optimizer.step()
+            self._optimizer.zero_grad(set_to_none=False)
+        if self._scheduler is not None:
+            self._scheduler.step()
+        self.committed, self._step_done = int(step), True
+        self.last_loss = float(vote[1]) / self.world_size
+        self._rng = capture_rng()
+        self.events.record("commit", step=int(step), rank=self.rank, generation=self.generation,
+                           loss=self.last_loss.hex())
+        return self.last_loss
+
+    # ---- step protocol internals --------------------------------------------------------
+    def _flat_grads(self, params: list[torch.Tensor]) -> torch.Tensor:
+        total = sum(p.numel() for p in params)
+        if self._grads is None or self._grads.numel() != total:
+            self._grads = torch.zeros(total, dtype=params[0].dtype)
+        offset = 0
+        for p in params:
+            n = p.numel()
+            if p.grad is None:
+                self._grads[offset:offset + n].zero_()
+            else:
+                self._grads[offset:offset + n].copy_(p.grad.reshape(-1))
+            offset += n
+        return self._grads
+
+    @staticmethod
+    def _unflatten_grads(params: list[torch.Tensor], flat: torch.Tensor) -> None:
+        offset = 0
+        for p in params:
+            n = p.numel()
+            view = flat[offset:offset + n].view_as(p)
+            if p.grad is None:
+                p.grad = view.clone()
+            else:
+                p.grad.copy_(view)
+            offset += n
+
+    def _collective(self, fn, tensor: torch.Tensor) -> None:
+        if self._latest > self.generation:
+            raise CollectiveError(f"generation {self.generation} superseded by {self._latest}")
+        try:
+            fn(tensor)
+            return
+        except (RuntimeError, ValueError) as e:  # gloo errors, or the group was destroyed under us
+            error = f"{fn.__name__} failed in generation {self.generation}: {e}"
+        # raised outside the except block: the torch frames of the failed call (which hold the
+        # process group) are gone, so destroying the group really closes its sockets
+        raise CollectiveError(error)
+
+    def _phase(self, step: int, phase: str) -> None:
+        self._faults.fire(int(step), phase, self.rank, lambda f: self.events.record(
+            "fault_injected", kind=f.kind, phase=phase, step=int(step), rank=self.rank))
+
+    def _end_step(self, step: Step, exc: BaseException | None) -> bool:
+        if exc is None or not isinstance(exc, Exception) or isinstance(exc, (UsageError, JobEnded)):
+            return False
+        self._recover(step, exc)
+        self._step_done = True  # recovered: ctx.steps() yields the step again
+        return True
+
+    # ---- recovery -----------------------------------------------------------------------
+    def _on_generation(self, latest: int) -> None:
+        """Watch thread: remember the newest generation, so that this rank does not enter another
+        collective of a group that is already dead."""
+        self._latest = max(self._latest, latest)
+
+    def _release_pg(self) -> None:
+        """Destroy the failed group. Destroying (not just aborting) closes its sockets, which is
+        what releases peers still blocked in a collective of it (gloo has no cancel). Called while
+        the failed collective's exception is alive, so its tensors are still referenced from Python
+        and gloo's worker threads never need the GIL to free them while we wait for them here."""
+        with self._pg_lock:
+            if self._pg_live:
+                self._pg_live = False
+                dist.destroy_process_group()
+                self.events.record("released", generation=self.generation, rank=self.rank)
+
+    def _recover(self, step: Step, exc: Exception) -> None:
+        in_step = not isinstance(exc, CollectiveError)
+        self.events.record("failure_detected", step=int(step), rank=self.rank, generation=self.generation,
+                           error=f"{type(exc).__name__}: {exc}"[:300], in_step=in_step)
+        self._release_pg()
+        restore_rng(self._rng)
+        if self._optimizer is not None:
+            self._optimizer.zero_grad(set_to_none=False)
+        failed_generation = self.generation
+        if in_step:
+            self._report("exception", f"{type(exc).__name__}: {exc}")
+        self._reform(failed_generation + 1, on_slow=lambda: self._report("collective", str(exc)))
+
+    def _report(self, reason: str, message: str) -> None:
+        try:
+            answer = self._controller.call("rank_failed", {
+                "node_rank": self.node_rank, "generation": self.generation, "rank": self.rank,
+                "reason": reason, "message": message[:500]})
+        except ControlPlaneError as e:
+            if e.status == 409:
+                return  # someone already moved the job to a newer generation
+            raise
+        if answer.get("action") == "exit":
+            self.events.record("escalated", rank=self.rank, reason=answer.get("reason"))
+            raise JobEnded(EXIT_ESCALATED)
+
+    def _join(self) -> None:
+        if self.role == "spare":
+            self.events.record("spare_ready", spare=self.spare_id)
+            self.rank, generation = membership.wait_for_assignment(self._store, self.spare_id)
+            self.events.record("assigned", spare=self.spare_id, rank=self.rank, generation=generation)
+            self._faults.armed = False
+            self._reform(generation)
+        else:
+            self._reform(self._start_generation)
+
+    def _reform(self, minimum: int, on_slow=None) -> None:
+        """Form the newest generation >= ``minimum`` and bring this rank to the agreed step,
+        retrying with the next generation if a peer fails meanwhile."""
+        while True:
+            plan = membership.wait_for_generation(self._store, minimum, on_slow=on_slow)
+            if plan.state != "running":
+                raise JobEnded(f"hp: job {plan.state}: {plan.reason}")
+            try:
+                self._form(plan)
+                return
+            except (CollectiveError, membership.Superseded, state.StateTransferError, RuntimeError) as e:
+                self.events.record("reform_failed", generation=plan.generation, rank=self.rank, error=str(e)[:300])
+                self._release_pg()
+                minimum, on_slow = plan.generation + 1, None
+
+    def _form(self, plan: membership.Plan) -> None:
+        membership.arrive(self._store, plan.generation, plan.world_size)
+        with self._pg_lock:
+            self.generation = plan.generation
+            self._transport.init_process_group(self._store, self.rank, plan.world_size, plan.generation,
+                                               self._pg_timeout)
+            self._pg_live = True
+        self.world_size = plan.world_size
+        self.events.record("pg_ready", generation=plan.generation, rank=self.rank)
+        steps = self._agree = torch.zeros(plan.world_size, dtype=torch.int64)  # kept: see _release_pg
+        steps[self.rank] = self.committed
+        self._collective(dist.all_reduce, steps)
+        newest = int(steps.max())
+        source = int((steps == newest).nonzero()[0])
+        for behind in (r for r in range(plan.world_size) if steps[r] < newest):
+            if self.rank == source:
+                self._phase(newest, "hydration")
+                state.send_state(self._capture(), behind)
+            elif self.rank == behind:
+                # in place into our own tensors when the layouts match; a fresh process's optimizer
+                # has no state yet, so it receives into a new buffer the optimizer then keeps
+                has_state = self._optimizer is None or bool(self._optimizer.state)
+                received = state.recv_state(source, template=self._capture() if has_state else None)
+                extra = state.restore(received, self._model, self._optimizer, self._scheduler)
+                if self._extra is not None and extra:
+                    self._extra.load_state_dict(extra)
+                self.committed, self._rng = newest, capture_rng()
+                self.events.record("hydrated", rank=self.rank, step=newest, source=source,
+                                   generation=plan.generation)
+        self.events.record("resumed", rank=self.rank, step=self.committed, generation=plan.generation)
+
+    def _capture(self) -> dict:
+        extra = self._extra.state_dict() if self._extra is not None else None
+        return state.capture(self._model, self._optimizer, self._scheduler, extra=extra)
+
+    def _shutdown(self) -> None:
+        self._watch.stop()
+        with self._pg_lock:
+            if self._pg_live and dist.is_initialized():
+                self._pg_live = False
+                dist.destroy_process_group()
+        self.events.close()
+
+
+def recoverable(fn):
+    """Decorator: run ``fn(ctx, *args, **kwargs)`` with a :class:`Context` under ``hp run``.
+
+    Survivors of a failure stay inside ``fn``; the failed step is replayed by ``ctx.steps()``.
+    """
+    import functools
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        ctx = Context()
+        return fn(ctx, *args, **kwargs)
+
+    return wrapper
