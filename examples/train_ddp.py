@@ -6,14 +6,14 @@
 from __future__ import annotations
 
 import argparse
-import os
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from model import TinyGPT, batch
+from hp.checkpointless.data import Batches, TokenCache, synthetic_corpus, tokenize
+from hp.checkpointless.demo.model import build_model
 
 
 def main() -> None:
@@ -21,27 +21,28 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--batch-size", type=int, default=8)
     p.add_argument("--seq", type=int, default=64)
-    p.add_argument("--vocab", type=int, default=256)
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
+    cache = TokenCache.open(f"examples-8mb-s{args.seed}", lambda: tokenize(synthetic_corpus(8 << 20, args.seed)))
+    batches = Batches(cache, args.seq, args.batch_size, args.seed)
     torch.manual_seed(args.seed)
-    model = DDP(TinyGPT(vocab=args.vocab, seq=args.seq))
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    model = DDP(build_model("tiny", vocab=256, seq=args.seq, dropout=0.1))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
 
     for step in range(args.steps):
-        x, y = batch(step, rank, world, args.seed, args.batch_size, args.seq, args.vocab)
+        x, y = batches.get(step, rank, world)
         loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
-        opt.zero_grad()
+        optimizer.zero_grad()
         loss.backward()
-        opt.step()
+        optimizer.step()
         if rank == 0:
             print(f"step {step:3d} loss {loss.item():.4f}", flush=True)
     dist.destroy_process_group()
     if rank == 0:
-        print(f"done: {args.steps} steps on {world} ranks (pid {os.getpid()})", flush=True)
+        print(f"done: {args.steps} steps on {world} ranks", flush=True)
 
 
 if __name__ == "__main__":

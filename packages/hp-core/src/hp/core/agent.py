@@ -227,6 +227,7 @@ class Agent:
             if not self._done_reported and all(w.exit and w.exit.ok for w in self.workers):
                 for spare in self.spares:
                     spare.stop(signal.SIGTERM)  # nothing left on this node for a spare to replace
+                self.spares.clear()
                 self._call(client, "node_done", {}, fenced=True)
                 self._done_reported = True
                 if not self.cfg.hosts_controller:
