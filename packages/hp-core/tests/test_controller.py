@@ -57,7 +57,8 @@ def test_malformed_join_is_refused_and_changes_nothing(payload, status):
 def test_worker_failure_restarts_and_bumps_generation_until_budget_is_spent():
     c, _ = running(max_restarts=1)
     d = c.handle("worker_failed", {"node_rank": 1, "generation": 1, "rank": 4, "signal": "SIGKILL", "pid": 7})
-    assert d == {"action": "restart", "generation": 2, "rank": 4}
+    assert d == {"action": "restart", "generation": 2, "rank": 4, "holder": "r4.1"}
+    assert c.holders[4] == "r4.1"
     d = c.handle("worker_failed", {"node_rank": 0, "generation": 2, "rank": 0, "exitcode": 3, "pid": 8})
     assert d["action"] == "stop" and c.state is JobState.FAILED
     assert "rank 0 (node 0, pid 8) exited with code 3" in d["reason"]
@@ -167,4 +168,13 @@ def test_in_process_failures_reform_then_escalate():
 def test_a_dead_spare_leaves_the_pool():
     c, _ = running(spares=1)
     c.handle("spare_failed", {"node_rank": 1, "spare": "n1s0"})
+    assert sorted(c.free_spares) == ["n0s0"]
+
+
+def test_a_report_from_a_replaced_process_is_refused():
+    c, _ = running(spares=1)
+    c.handle("worker_failed", {"node_rank": 1, "generation": 1, "rank": 4, "holder": "r4.0", "signal": "SIGKILL"})
+    assert c.holders[4] == "spare.n1s0"
+    with pytest.raises(Refused, match="stale holder 'r4.0'"):
+        c.handle("worker_failed", {"node_rank": 1, "generation": 2, "rank": 4, "holder": "r4.0", "exitcode": 1})
     assert sorted(c.free_spares) == ["n0s0"]

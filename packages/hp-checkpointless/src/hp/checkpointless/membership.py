@@ -32,6 +32,7 @@ class Plan:
     world_size: int
     state: str
     reason: str
+    holders: dict[int, str]
 
 
 def latest_generation(store: dist.Store) -> int:
@@ -40,7 +41,8 @@ def latest_generation(store: dist.Store) -> int:
 
 def read_plan(store: dist.Store, generation: int) -> Plan:
     raw = json.loads(store.get(generation_key(generation)))
-    return Plan(raw["generation"], int(raw.get("world_size", 0)), raw["state"], raw.get("reason", ""))
+    holders = {int(r): h for r, h in raw.get("holders", {}).items()}
+    return Plan(raw["generation"], int(raw.get("world_size", 0)), raw["state"], raw.get("reason", ""), holders)
 
 
 def wait_for_generation(store: dist.Store, minimum: int, poll_s: float = 0.005,

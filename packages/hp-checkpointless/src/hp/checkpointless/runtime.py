@@ -74,6 +74,7 @@ class Context:
         self.committed = -1
         self.last_loss: float | None = None
         self._start_generation = int(env["HP_GENERATION"])
+        self.holder = env.get("HP_HOLDER", "")
         self._store_addr = (env["MASTER_ADDR"], int(env["MASTER_PORT"]))
         self._transport = get_backend("transport", env.get("HP_TRANSPORT", "gloo"))
         self._pg_timeout = pg_timeout
@@ -254,6 +255,7 @@ class Context:
         if self.role == "spare":
             self.events.record("spare_ready", spare=self.spare_id)
             self.rank, generation = membership.wait_for_assignment(self._store, self.spare_id)
+            self.role = "worker"
             self.events.record("assigned", spare=self.spare_id, rank=self.rank, generation=generation)
             self._faults.armed = False
             self._reform(generation)
@@ -276,6 +278,10 @@ class Context:
                 minimum, on_slow = plan.generation + 1, None
 
     def _form(self, plan: membership.Plan) -> None:
+        if plan.holders.get(self.rank) != self.holder:
+            self.events.record("fenced_out", rank=self.rank, generation=plan.generation, holder=self.holder)
+            raise JobEnded(f"hp: fenced out: rank {self.rank} of generation {plan.generation} is held by "
+                           f"{plan.holders.get(self.rank)!r}, not by this process ({self.holder!r})")
         membership.arrive(self._store, plan.generation, plan.world_size)
         with self._pg_lock:
             self.generation = plan.generation

@@ -21,7 +21,7 @@ from torch.distributed.elastic.multiprocessing.api import SignalException
 from hp.core import auth
 from hp.core.config import RunConfig
 from hp.core.control_plane import ControlClient, ControlServer
-from hp.core.controller import Controller, ControllerConfig, spare_id
+from hp.core.controller import Controller, ControllerConfig, spare_holder, spare_id, worker_holder
 from hp.core.errors import ControlPlaneError, HpError
 from hp.core.plugins import get_backend
 from hp.core.store import StoreServer
@@ -152,9 +152,11 @@ class Agent:
         os.makedirs(os.path.join(self.log_dir, "heartbeats"), exist_ok=True)
         tee = Std(self.cfg.tee)
         for local_rank in range(self.cfg.nproc_per_node):
-            self.workers.append(Worker(a.rank_offset + local_rank, local_rank, command, self.log_dir, tee))
+            rank = a.rank_offset + local_rank
+            self.workers.append(Worker(rank, local_rank, command, self.log_dir, tee, holder=worker_holder(rank, 0)))
         for i in range(self.cfg.spares):
-            self.spares.append(Worker(-1, -1, command, self.log_dir, tee, spare_id=spare_id(self.cfg.node_rank, i)))
+            sid = spare_id(self.cfg.node_rank, i)
+            self.spares.append(Worker(-1, -1, command, self.log_dir, tee, spare_id=sid, holder=spare_holder(sid)))
         for w in self.workers + self.spares:
             w.start(self._worker_env(w))
 
@@ -189,6 +191,7 @@ class Agent:
             "HP_RUN_ID": self.cfg.run_id,
             "HP_LOG_DIR": self.log_dir,
             "HP_HEARTBEAT_FILE": w.heartbeat_file,
+            "HP_HOLDER": w.holder,
         })
         return env
 
@@ -258,7 +261,7 @@ class Agent:
         st = w.exit
         say(f"rank {w.rank} (pid {st.pid}) failed: {st.describe()}; reporting to the controller")
         decision = self._call(client, "worker_failed", {
-            "rank": w.rank, "pid": st.pid, "exitcode": st.exitcode,
+            "rank": w.rank, "holder": w.holder, "pid": st.pid, "exitcode": st.exitcode,
             "signal": st.signal, "message": st.message,
         }, fenced=True)
         action = decision["action"]
@@ -266,7 +269,7 @@ class Agent:
             raise JobFailed(decision["reason"])
         self.generation = max(self.generation, decision["generation"])
         if action == "restart":
-            w.restarts += 1
+            w.restarts, w.holder = w.restarts + 1, decision["holder"]
             w.start(self._worker_env(w))
             say(f"restarted rank {w.rank} as pid {w.pid} (generation {self.generation}, restart {w.restarts})")
             return

@@ -35,6 +35,15 @@ def spare_id(node_rank: int, index: int) -> str:
     return f"n{node_rank}s{index}"
 
 
+def worker_holder(rank: int, attempt: int) -> str:
+    """Id of the process holding ``rank`` after ``attempt`` restarts."""
+    return f"r{rank}.{attempt}"
+
+
+def spare_holder(spare: str) -> str:
+    return f"spare.{spare}"
+
+
 class JobState(str, Enum):
     RENDEZVOUS = "rendezvous"
     RUNNING = "running"
@@ -101,6 +110,8 @@ class Controller:
         self.restarts = 0
         self.nodes: dict[int, NodeRecord] = {}
         self.members: dict[int, int] = {}  # rank -> node_rank currently holding it
+        self.holders: dict[int, str] = {}  # rank -> id of the process holding it (fences out old ones)
+        self.rank_restarts: dict[int, int] = {}
         self.free_spares: dict[str, int] = {}  # spare id -> node_rank
         self.rank_exceptions: dict[int, int] = {}
         self.decisions: list[dict] = []
@@ -175,7 +186,8 @@ class Controller:
         number, so a worker that sees the number can always read the plan."""
         world = sum(n.nproc for n in self.nodes.values())
         plan = {"generation": self.generation, "world_size": world, "why": why,
-                "state": self.state.value, "reason": self.reason}
+                "state": self.state.value, "reason": self.reason,
+                "holders": {str(r): h for r, h in self.holders.items()}}
         self._publish(generation_key(self.generation), json.dumps(plan))
         self._publish(GENERATION_KEY, str(self.generation))
 
@@ -238,6 +250,7 @@ class Controller:
                 node.rank_offset = offset
                 node.last_seen = self._clock()
                 self.members.update({r: node.node_rank for r in range(offset, offset + node.nproc)})
+                self.holders.update({r: worker_holder(r, 0) for r in range(offset, offset + node.nproc)})
                 self.free_spares.update({spare_id(node.node_rank, i): node.node_rank for i in range(node.spares)})
                 offset += node.nproc
             self.state = JobState.RUNNING
@@ -282,6 +295,10 @@ class Controller:
         node = self._fence(p)
         self._require_running()
         rank = self._member_rank(p, node)
+        holder = p.get("holder", self.holders[rank])
+        if holder != self.holders[rank]:
+            raise Refused(409, f"stale holder {holder!r} of rank {rank} (now {self.holders[rank]!r})",
+                          generation=self.generation)
         exitcode, signal_name = p.get("exitcode"), p.get("signal")
         who = f"rank {rank} (node {node.node_rank}, pid {p.get('pid')})"
         cause = describe_exit(exitcode, signal_name if isinstance(signal_name, str) else None)
@@ -289,6 +306,7 @@ class Controller:
         if spare is not None:
             owner = self.free_spares.pop(spare)
             self.members[rank] = owner
+            self.holders[rank] = spare_holder(spare)
             self._bump("spare_promoted", rank=rank, spare=spare, cause=cause)
             self._log("promote_spare", rank=rank, spare=spare, spare_node=owner, failed_node=node.node_rank,
                       cause=cause)
@@ -300,9 +318,11 @@ class Controller:
             return {"action": "moved", "rank": rank, "node": owner, "generation": self.generation}
         if self.restarts < self.config.max_restarts:
             self.restarts += 1
+            attempt = self.rank_restarts[rank] = self.rank_restarts.get(rank, 0) + 1
+            self.holders[rank] = worker_holder(rank, attempt)
             self._bump("worker_restart", rank=rank, cause=cause)
             self._log("restart_worker", rank=rank, node_rank=node.node_rank, cause=cause, restarts=self.restarts)
-            return {"action": "restart", "generation": self.generation, "rank": rank}
+            return {"action": "restart", "generation": self.generation, "rank": rank, "holder": self.holders[rank]}
         message = p.get("message")
         detail = f": {message}" if isinstance(message, str) and message else ""
         spares = sum(n.spares for n in self.nodes.values())
