@@ -46,7 +46,7 @@ def read_plan(store: dist.Store, generation: int) -> Plan:
 
 
 def wait_for_generation(store: dist.Store, minimum: int, poll_s: float = 0.005,
-                        on_slow: Callable[[], None] | None = None, slow_after_s: float = 2.0,
+                        on_slow: Callable[[], None] | None = None, slow_after_s: float = 5.0,
                         timeout_s: float = 600.0) -> Plan:
     """Block until generation >= ``minimum`` is published; returns its plan. ``on_slow`` runs once
     if nothing came within ``slow_after_s`` (a failure no agent reported: ask the controller)."""
@@ -121,9 +121,16 @@ class Watch:
                     return
 
     def stop(self) -> None:
+        """Stop beating and remove the heartbeat file: a process that left the step loop (and
+        may take a while to exit) is no longer watched for hangs."""
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join(timeout=2)
+        if self._heartbeat_file:
+            try:
+                os.unlink(self._heartbeat_file)
+            except FileNotFoundError:
+                pass
 
 
 def connect_store(host: str, port: int, timeout: timedelta = timedelta(seconds=60)) -> dist.Store:

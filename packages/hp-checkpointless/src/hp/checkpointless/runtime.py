@@ -50,7 +50,6 @@ class Step(int):
         return obj
 
     def __enter__(self) -> Step:
-        self._ctx._phase(self, "forward")
         return self
 
     def __exit__(self, exc_type, exc, tb) -> bool:
@@ -122,6 +121,11 @@ class Context:
         try:
             while self.committed + 1 < total:
                 self._step, self._step_done = Step(self.committed + 1, self), False
+                try:
+                    self._phase(self._step, "forward")
+                except Exception as exc:  # an injected fault: the step failed before the user's code ran
+                    self._recover(self._step, exc)
+                    continue
                 yield self._step
                 if not self._step_done:
                     raise UsageError("each step must end with ctx.commit(loss)")

@@ -207,7 +207,7 @@ class Agent:
         next_beat = 0.0
         while True:
             for w in list(self.workers):
-                if w.running and self.cfg.hang_timeout_s and w.silent_for() > self.cfg.hang_timeout_s:
+                if w.running and not w.hung and self.cfg.hang_timeout_s and w.silent_for() > self.cfg.hang_timeout_s:
                     say(f"rank {w.rank} (pid {w.pid}) hung: no heartbeat for {w.silent_for():.1f} s; killing it")
                     w.kill_hung()
                 if w.running and (status := w.poll()) is not None and not status.ok:

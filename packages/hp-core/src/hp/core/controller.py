@@ -344,7 +344,9 @@ class Controller:
         self._require_running()
         rank = self._member_rank(p, node)
         reason = p.get("reason") if isinstance(p.get("reason"), str) else "failure"
-        count = self.rank_exceptions[rank] = self.rank_exceptions.get(rank, 0) + 1
+        # only a rank's own exceptions count against it: a collective error names no culprit
+        count = self.rank_exceptions.get(rank, 0) + (reason == "exception")
+        self.rank_exceptions[rank] = count
         if count > self.config.max_rank_exceptions:
             self._log("escalate", rank=rank, reason=reason, failures=count)
             return {"action": "exit", "generation": self.generation,

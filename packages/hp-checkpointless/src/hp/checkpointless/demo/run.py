@@ -31,6 +31,7 @@ class DemoConfig:
     hang_timeout_s: float = 2.0
     corpus_mb: int = 16
     seed: int = 0
+    max_restarts: int = 0
     log_dir: str | None = None
     extra_faults: list[dict] = field(default_factory=list)
 
@@ -55,19 +56,23 @@ class RunResult:
         return out
 
 
-def run_job(cfg: DemoConfig, log_dir: str, faults: list[dict]) -> RunResult:
-    cmd = [
+def job_command(cfg: DemoConfig, log_dir: str) -> list[str]:
+    return [
         sys.executable, "-m", "hp.core.cli", "run",
         "--nproc-per-node", str(cfg.nproc), "--spares", str(cfg.spares),
         "--monitor-interval", "0.02", "--hang-timeout", str(cfg.hang_timeout_s),
+        "--max-restarts", str(cfg.max_restarts),
         "--log-dir", log_dir, "--tee", "0",
         "-m", "hp.checkpointless.demo.train",
         "--steps", str(cfg.steps), "--model-size", cfg.model_size,
         "--corpus-mb", str(cfg.corpus_mb), "--seed", str(cfg.seed),
     ]
-    env = {**os.environ, "HP_FAULTS": json.dumps(faults)}
+
+
+def run_job(cfg: DemoConfig, log_dir: str, faults: list[dict], extra_env: dict | None = None) -> RunResult:
+    env = {**os.environ, "HP_FAULTS": json.dumps(faults), **(extra_env or {})}
     start = time.monotonic()
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    proc = subprocess.run(job_command(cfg, log_dir), env=env, capture_output=True, text=True)
     wall = time.monotonic() - start
     return RunResult(proc.returncode, wall, read_events(os.path.join(log_dir, "events")), proc.stdout + proc.stderr)
 

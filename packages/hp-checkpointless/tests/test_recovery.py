@@ -1,0 +1,151 @@
+"""In-process recovery end to end: real `hp run` jobs (4 workers on gloo) with one injected fault,
+each compared bit for bit with a fault-free run of the same job."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hp.checkpointless.demo.run import DemoConfig, RunResult, compare, job_command, run_job
+from hp.checkpointless.events import read_events
+from hp.core.testing import kill_tagged, wait_for
+
+STEPS, AT = 10, 5
+
+
+def config(**kw) -> DemoConfig:
+    # a hang timeout that a loaded 2-core CI machine never reaches by accident
+    return DemoConfig(corpus_mb=2, **{"steps": STEPS, "hang_timeout_s": 10.0, **kw})
+
+
+@pytest.fixture(scope="session")
+def job_env(tmp_path_factory):
+    root = tmp_path_factory.mktemp("recovery")
+    env = {"HP_DATA_CACHE_DIR": str(root / "cache"), "HP_TEST_DIR": str(root)}
+    (root / "cache").mkdir()
+    yield env
+    kill_tagged(f"HP_TEST_DIR={root}")
+
+
+@pytest.fixture(scope="session")
+def reference(job_env, tmp_path_factory) -> RunResult:
+    result = run_job(config(spares=0), str(tmp_path_factory.mktemp("reference")), [], job_env)
+    assert result.returncode == 0, result.output[-3000:]
+    assert len(result.losses()) == STEPS
+    return result
+
+
+def decisions(log_dir: Path) -> list[str]:
+    """The controller's decisions; a new generation is named with its reason."""
+    out = []
+    for line in (log_dir / "controller_decisions.jsonl").read_text().splitlines():
+        d = json.loads(line)
+        name = f"new_generation:{d['why']}" if d["decision"] == "new_generation" else d["decision"]
+        out.append(f"{name}:{d['reason']}" if d.get("why") == "in_process_recovery" else name)
+    return out
+
+
+def faulted(tmp_path, job_env, faults, **kw) -> tuple[RunResult, Path]:
+    log_dir = tmp_path / "logs"
+    result = run_job(config(**kw), str(log_dir), faults, job_env)
+    assert result.returncode == 0, result.output[-3000:]
+    return result, log_dir
+
+
+def assert_identical(reference: RunResult, result: RunResult) -> None:
+    verdict = compare(reference, result)
+    assert verdict == {"bitwise_equal": True, "lost_steps": 0, "steps_compared": STEPS}, (
+        verdict, reference.losses(), result.losses())
+
+
+@pytest.mark.parametrize("phase, rank", [("forward", 1), ("allreduce", 2), ("commit", 3), ("optimizer", 1)])
+def test_killed_rank_is_replaced_by_the_spare(reference, job_env, tmp_path, phase, rank):
+    result, logs = faulted(tmp_path, job_env, [{"at_step": AT, "phase": phase, "kind": "kill", "rank": rank}], spares=1)
+    assert_identical(reference, result)
+    assert "promote_spare" in decisions(logs) and "restart_worker" not in decisions(logs)
+    hydrated = [e for e in result.events if e["event"] == "hydrated"]
+    # killed after the vote, the survivors committed step AT: the spare hydrates at it
+    assert [e["rank"] for e in hydrated] == [rank]
+    assert hydrated[0]["step"] == (AT if phase == "optimizer" else AT - 1)
+
+
+def test_kill_of_the_source_during_hydration_is_survived(reference, job_env, tmp_path):
+    faults = [{"at_step": AT, "phase": "allreduce", "kind": "kill", "rank": 1},
+              {"at_step": AT - 1, "phase": "hydration", "kind": "kill", "rank": 0}]
+    result, logs = faulted(tmp_path, job_env, faults, spares=2)
+    assert_identical(reference, result)
+    assert decisions(logs).count("promote_spare") == 2
+    assert {e["rank"] for e in result.events if e["event"] == "hydrated"} == {0, 1}
+    assert any(e["event"] == "reform_failed" for e in result.events)
+
+
+def test_hung_rank_is_killed_and_replaced(reference, job_env, tmp_path):
+    result, logs = faulted(tmp_path, job_env, [{"at_step": AT, "phase": "forward", "kind": "hang", "rank": 1}],
+                           spares=1, hang_timeout_s=3.0)
+    assert_identical(reference, result)
+    assert "promote_spare" in decisions(logs)
+
+
+def test_exception_in_step_recovers_in_process(reference, job_env, tmp_path):
+    result, logs = faulted(tmp_path, job_env, [{"at_step": AT, "phase": "forward", "kind": "exception", "rank": 1}],
+                           spares=1)
+    assert_identical(reference, result)
+    assert "promote_spare" not in decisions(logs)  # nobody died: same processes, new generation
+    assert "new_generation:in_process_recovery:exception" in decisions(logs)
+    assert [e for e in result.events if e["event"] == "failure_detected" and e["in_step"]][0]["rank"] == 1
+
+
+def test_a_rank_that_keeps_failing_is_replaced(reference, job_env, tmp_path):
+    faults = [{"at_step": s, "phase": "forward", "kind": "exception", "rank": 2} for s in (AT - 1, AT, AT + 1)]
+    result, logs = faulted(tmp_path, job_env, faults, spares=1)
+    assert_identical(reference, result)
+    assert decisions(logs).count("new_generation:in_process_recovery:exception") == 2
+    assert "escalate" in decisions(logs) and "promote_spare" in decisions(logs)
+
+
+def test_without_a_spare_the_process_is_restarted_and_hydrates(reference, job_env, tmp_path):
+    result, logs = faulted(tmp_path, job_env, [{"at_step": AT, "phase": "allreduce", "kind": "kill", "rank": 1}],
+                           spares=0, max_restarts=1)
+    assert_identical(reference, result)
+    assert "restart_worker" in decisions(logs)
+    assert [e["rank"] for e in result.events if e["event"] == "hydrated"] == [1]
+
+
+def test_without_spare_or_restart_the_job_stops_with_a_clear_error(job_env, tmp_path):
+    result = run_job(config(spares=0), str(tmp_path / "logs"),
+                     [{"at_step": AT, "phase": "allreduce", "kind": "kill", "rank": 1}], job_env)
+    assert result.returncode == 1
+    assert "job failed: rank 1" in result.output and "restarts exhausted (0/0)" in result.output
+
+
+def test_a_replaced_process_of_an_old_generation_is_fenced_out(job_env, tmp_path):
+    """A process that still believes it holds rank 1 of generation 1 (as after a partition) tries
+    to rejoin after a spare took rank 1: it must exit, and the job must not notice."""
+    log_dir = tmp_path / "logs"
+    cfg = config(spares=1, steps=150)  # long enough to still run when the stale process arrives
+    kill = [{"at_step": 2, "phase": "allreduce", "kind": "kill", "rank": 1}]
+    job = subprocess.Popen(job_command(cfg, str(log_dir)), env={**os.environ, **job_env, "HP_FAULTS": json.dumps(kill)},
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        events = lambda: read_events(str(log_dir / "events"))  # noqa: E731
+        wait_for(lambda: any(e["event"] == "resumed" and e["generation"] == 2 for e in events()), 120, "recovery")
+        rank2 = next(e["pid"] for e in events() if e["event"] == "pg_ready" and e["rank"] == 2)
+        stale = dict(x.split("=", 1) for x in Path(f"/proc/{rank2}/environ").read_text().split("\0") if "=" in x)
+        stale.update({"RANK": "1", "LOCAL_RANK": "1", "HP_HOLDER": "r1.0", "HP_GENERATION": "1", "HP_FAULTS": "",
+                      "HP_HEARTBEAT_FILE": "", "HP_LOG_DIR": str(tmp_path / "stale")})
+        out = subprocess.run([sys.executable, "-m", "hp.checkpointless.demo.train", "--steps", "150",
+                              "--corpus-mb", "2"], env=stale, capture_output=True, text=True, timeout=120)
+        assert out.returncode != 0
+        assert "fenced out: rank 1 of generation 2 is held by 'spare.n0s0'" in out.stderr, out.stderr[-2000:]
+        assert job.wait(timeout=240) == 0
+    finally:
+        if job.poll() is None:
+            job.kill()
+    result = RunResult(0, 0.0, read_events(str(log_dir / "events")), "")
+    assert sorted(result.losses()) == list(range(150))
+    assert all(len(v) == 1 for v in result.losses().values())  # nothing committed twice
