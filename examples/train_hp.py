@@ -24,7 +24,6 @@ def main(ctx) -> None:
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args()
 
-    rank, world = ctx.rank, ctx.world_size
     cache = TokenCache.open(f"examples-8mb-s{args.seed}", lambda: tokenize(synthetic_corpus(8 << 20, args.seed)))
     batches = Batches(cache, args.seq, args.batch_size, args.seed)
     torch.manual_seed(args.seed)
@@ -34,14 +33,14 @@ def main(ctx) -> None:
 
     for step in ctx.steps(args.steps):
         with step:
-            x, y = batches.get(step, rank, world)
+            x, y = batches.get(step, ctx.rank, ctx.world_size)
             loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
             loss.backward()
             ctx.commit(loss)
-        if rank == 0 and ctx.committed == step:
+        if ctx.rank == 0 and ctx.committed == step:
             print(f"step {step:3d} loss {ctx.last_loss:.4f}", flush=True)
-    if rank == 0:
-        print(f"done: {args.steps} steps on {world} ranks", flush=True)
+    if ctx.rank == 0:
+        print(f"done: {args.steps} steps on {ctx.world_size} ranks", flush=True)
 
 
 if __name__ == "__main__":

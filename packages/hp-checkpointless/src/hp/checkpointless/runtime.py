@@ -59,14 +59,15 @@ class Step(int):
 class Context:
     """What a training function wrapped by :func:`recoverable` gets: identity, state registration,
     and the step loop. Read-only attributes: ``rank``, ``world_size``, ``generation``, ``committed``
-    (last committed step, -1 before the first), ``device``, ``last_loss``."""
+    (last committed step, -1 before the first), ``device``, ``last_loss``. A hot spare runs the
+    same code up to ``ctx.steps()``, where it waits for a rank: read ``rank`` inside the loop."""
 
     def __init__(self, env=os.environ, pg_timeout: timedelta = timedelta(seconds=60)) -> None:
         if "HP_GENERATION" not in env:
             raise UsageError("hp.checkpointless needs `hp run` (HP_GENERATION is not set)")
         self.role = env.get("HP_ROLE", "worker")
         self.spare_id = env.get("HP_SPARE_ID")
-        self.rank: int = int(env["RANK"]) if self.role == "worker" else -1
+        self._rank: int = int(env["RANK"]) if self.role == "worker" else -1
         self.world_size = int(env["WORLD_SIZE"])
         self.node_rank = int(env.get("HP_NODE_RANK", "0"))
         self.generation = 0  # of the process group this process is in (0: none yet)
@@ -80,7 +81,7 @@ class Context:
         self._store = membership.connect_store(*self._store_addr)
         self._controller = ControlClient(env.get("HP_CONTROLLER", ""), env.get(TOKEN_ENV, ""))
         log_dir = env.get("HP_LOG_DIR")
-        name = f"rank{self.rank}" if self.role == "worker" else f"spare-{self.spare_id}"
+        name = f"rank{self._rank}" if self.role == "worker" else f"spare-{self.spare_id}"
         self.events = EventLog(os.path.join(log_dir, "events") if log_dir else None, name)
         self._faults = FaultPlan.from_env(env)
         self._model: torch.nn.Module | None = None
@@ -101,6 +102,13 @@ class Context:
         ).start()
 
     # ---- user API -----------------------------------------------------------------------
+    @property
+    def rank(self) -> int:
+        if self._rank < 0:
+            raise UsageError("a hot spare has no rank until ctx.steps() gives it one: "
+                             "read ctx.rank inside the step loop, not before it")
+        return self._rank
+
     @property
     def device(self) -> torch.device:
         return torch.device(self._transport.device_for(int(os.environ.get("LOCAL_RANK", "0"))))
@@ -158,7 +166,7 @@ class Context:
         self.committed, self._step_done = int(step), True
         self.last_loss = float(vote[1]) / self.world_size
         self._rng = capture_rng()
-        self.events.record("commit", step=int(step), rank=self.rank, generation=self.generation,
+        self.events.record("commit", step=int(step), rank=self._rank, generation=self.generation,
                            loss=self.last_loss.hex())
         return self.last_loss
 
@@ -202,8 +210,8 @@ class Context:
         raise CollectiveError(error)
 
     def _phase(self, step: int, phase: str) -> None:
-        self._faults.fire(int(step), phase, self.rank, lambda f: self.events.record(
-            "fault_injected", kind=f.kind, phase=phase, step=int(step), rank=self.rank))
+        self._faults.fire(int(step), phase, self._rank, lambda f: self.events.record(
+            "fault_injected", kind=f.kind, phase=phase, step=int(step), rank=self._rank))
 
     def _end_step(self, step: Step, exc: BaseException | None) -> bool:
         if exc is None or not isinstance(exc, Exception) or isinstance(exc, (UsageError, JobEnded)):
@@ -227,11 +235,11 @@ class Context:
             if self._pg_live:
                 self._pg_live = False
                 dist.destroy_process_group()
-                self.events.record("released", generation=self.generation, rank=self.rank)
+                self.events.record("released", generation=self.generation, rank=self._rank)
 
     def _recover(self, step: Step, exc: Exception) -> None:
         in_step = not isinstance(exc, CollectiveError)
-        self.events.record("failure_detected", step=int(step), rank=self.rank, generation=self.generation,
+        self.events.record("failure_detected", step=int(step), rank=self._rank, generation=self.generation,
                            error=f"{type(exc).__name__}: {exc}"[:300], in_step=in_step)
         self._release_pg()
         restore_rng(self._rng)
@@ -245,22 +253,22 @@ class Context:
     def _report(self, reason: str, message: str) -> None:
         try:
             answer = self._controller.call("rank_failed", {
-                "node_rank": self.node_rank, "generation": self.generation, "rank": self.rank,
+                "node_rank": self.node_rank, "generation": self.generation, "rank": self._rank,
                 "reason": reason, "message": message[:500]})
         except ControlPlaneError as e:
             if e.status == 409:
                 return  # someone already moved the job to a newer generation
             raise
         if answer.get("action") == "exit":
-            self.events.record("escalated", rank=self.rank, reason=answer.get("reason"))
+            self.events.record("escalated", rank=self._rank, reason=answer.get("reason"))
             raise JobEnded(EXIT_ESCALATED)
 
     def _join(self) -> None:
         if self.role == "spare":
             self.events.record("spare_ready", spare=self.spare_id)
-            self.rank, generation = membership.wait_for_assignment(self._store, self.spare_id)
+            self._rank, generation = membership.wait_for_assignment(self._store, self.spare_id)
             self.role = "worker"
-            self.events.record("assigned", spare=self.spare_id, rank=self.rank, generation=generation)
+            self.events.record("assigned", spare=self.spare_id, rank=self._rank, generation=generation)
             self._faults.armed = False
             self._reform(generation)
         else:
@@ -277,33 +285,33 @@ class Context:
                 self._form(plan)
                 return
             except (CollectiveError, membership.Superseded, state.StateTransferError, RuntimeError) as e:
-                self.events.record("reform_failed", generation=plan.generation, rank=self.rank, error=str(e)[:300])
+                self.events.record("reform_failed", generation=plan.generation, rank=self._rank, error=str(e)[:300])
                 self._release_pg()
                 minimum, on_slow = plan.generation + 1, None
 
     def _form(self, plan: membership.Plan) -> None:
-        if plan.holders.get(self.rank) != self.holder:
-            self.events.record("fenced_out", rank=self.rank, generation=plan.generation, holder=self.holder)
-            raise JobEnded(f"hp: fenced out: rank {self.rank} of generation {plan.generation} is held by "
-                           f"{plan.holders.get(self.rank)!r}, not by this process ({self.holder!r})")
+        if plan.holders.get(self._rank) != self.holder:
+            self.events.record("fenced_out", rank=self._rank, generation=plan.generation, holder=self.holder)
+            raise JobEnded(f"hp: fenced out: rank {self._rank} of generation {plan.generation} is held by "
+                           f"{plan.holders.get(self._rank)!r}, not by this process ({self.holder!r})")
         membership.arrive(self._store, plan.generation, plan.world_size)
         with self._pg_lock:
             self.generation = plan.generation
-            self._transport.init_process_group(self._store, self.rank, plan.world_size, plan.generation,
+            self._transport.init_process_group(self._store, self._rank, plan.world_size, plan.generation,
                                                self._pg_timeout)
             self._pg_live = True
         self.world_size = plan.world_size
-        self.events.record("pg_ready", generation=plan.generation, rank=self.rank)
+        self.events.record("pg_ready", generation=plan.generation, rank=self._rank)
         steps = self._agree = torch.zeros(plan.world_size, dtype=torch.int64)  # kept: see _release_pg
-        steps[self.rank] = self.committed
+        steps[self._rank] = self.committed
         self._collective(dist.all_reduce, steps)
         newest = int(steps.max())
         source = int((steps == newest).nonzero()[0])
         for behind in (r for r in range(plan.world_size) if steps[r] < newest):
-            if self.rank == source:
+            if self._rank == source:
                 self._phase(newest, "hydration")
                 state.send_state(self._capture(), behind)
-            elif self.rank == behind:
+            elif self._rank == behind:
                 # in place into our own tensors when the layouts match; a fresh process's optimizer
                 # has no state yet, so it receives into a new buffer the optimizer then keeps
                 has_state = self._optimizer is None or bool(self._optimizer.state)
@@ -312,9 +320,9 @@ class Context:
                 if self._extra is not None and extra:
                     self._extra.load_state_dict(extra)
                 self.committed, self._rng = newest, capture_rng()
-                self.events.record("hydrated", rank=self.rank, step=newest, source=source,
+                self.events.record("hydrated", rank=self._rank, step=newest, source=source,
                                    generation=plan.generation)
-        self.events.record("resumed", rank=self.rank, step=self.committed, generation=plan.generation)
+        self.events.record("resumed", rank=self._rank, step=self.committed, generation=plan.generation)
 
     def _capture(self) -> dict:
         extra = self._extra.state_dict() if self._extra is not None else None
