@@ -138,7 +138,7 @@ class Context:
                 if not self._step_done:
                     raise UsageError("each step must end with ctx.commit(loss)")
         finally:
-            self._shutdown()
+            self.close()
 
     def commit(self, loss: torch.Tensor) -> float:
         """Average gradients across ranks, vote, and apply the optimizer step; returns the global
@@ -328,7 +328,8 @@ class Context:
         extra = self._extra.state_dict() if self._extra is not None else None
         return state.capture(self._model, self._optimizer, self._scheduler, extra=extra)
 
-    def _shutdown(self) -> None:
+    def close(self) -> None:
+        """Leave the job: stop the watch thread, destroy the process group. Idempotent."""
         self._watch.stop()
         with self._pg_lock:
             if self._pg_live and dist.is_initialized():
@@ -347,6 +348,9 @@ def recoverable(fn):
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         ctx = Context()
-        return fn(ctx, *args, **kwargs)
+        try:
+            return fn(ctx, *args, **kwargs)
+        finally:
+            ctx.close()
 
     return wrapper

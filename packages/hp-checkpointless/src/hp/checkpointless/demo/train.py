@@ -33,7 +33,7 @@ def main(ctx) -> None:
     args = parse_args()
     corpus_key = f"hp-demo-{args.corpus_mb}mb-v{args.vocab}-s{args.seed}"
     cache = TokenCache.open(corpus_key, lambda: tokenize(synthetic_corpus(args.corpus_mb << 20, args.seed), args.vocab))
-    ctx.events.record("data_attached", rank=ctx.rank, built=cache.built, open_s=cache.open_s)
+    ctx.events.record("data_attached", built=cache.built, open_s=cache.open_s)
     batches = Batches(cache, args.seq, args.batch_size, args.seed)
 
     torch.manual_seed(args.seed)
