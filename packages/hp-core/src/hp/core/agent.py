@@ -214,6 +214,7 @@ class Agent:
                     self._on_failure(client, w)
             for w in list(self.spares):
                 if w.running and w.poll() is not None:
+                    w.finish()
                     say(f"spare {w.spare_id} (pid {w.pid}) exited: {w.exit.describe()}")
                     self.spares.remove(w)
                     self._call(client, "spare_failed", {"spare": w.spare_id})
@@ -264,6 +265,7 @@ class Agent:
             "rank": w.rank, "holder": w.holder, "pid": st.pid, "exitcode": st.exitcode,
             "signal": st.signal, "message": st.message,
         }, fenced=True)
+        w.finish()
         action = decision["action"]
         if action == "stop":
             raise JobFailed(decision["reason"])

@@ -15,6 +15,7 @@ import time
 from dataclasses import dataclass, field
 
 from torch.distributed.elastic.multiprocessing import LogsDest, LogsSpecs, PContext, Std, start_processes
+from torch.distributed.elastic.multiprocessing.errors import ProcessFailure
 
 
 class WorkerLogsSpecs(LogsSpecs):
@@ -103,24 +104,33 @@ class Worker:
         return self._ctx is not None and self.exit is None
 
     def poll(self) -> ExitStatus | None:
-        """The exit status once the process has ended (logs flushed), else None."""
+        """The exit status once the process has ended, else None. The process is polled directly
+        (elastic's own poll first closes the context and its log tails, ~0.15 s that a failure
+        report should not wait for); a failed worker's context is closed by :meth:`finish`."""
         if not self.running:
             return self.exit
-        result = self._ctx.wait(0)
-        if result is None:
+        proc = self._ctx.subprocess_handlers[0].proc
+        rc = proc.poll()
+        if rc is None:
             return None
-        failure = result.failures.get(0)
-        if failure is None:
-            self.exit = ExitStatus(self.pid, 0, None, "")
-        else:
-            sig = failure.signal_name() if failure.exitcode < 0 else None
-            raw = failure.message
-            raw = raw.get("message", "") if isinstance(raw, dict) else raw
-            message = raw.strip().splitlines()[-1] if isinstance(raw, str) and raw.strip() else ""
-            if message.startswith(("Signal ", "To enable traceback")):
-                message = ""  # elastic's placeholder text, not something the worker said
-            self.exit = ExitStatus(failure.pid, failure.exitcode, sig, message)
+        if rc == 0:
+            self.exit = ExitStatus(proc.pid, 0, None, "")
+            self.finish()
+            return self.exit
+        failure = ProcessFailure(local_rank=0, pid=proc.pid, exitcode=rc, error_file=self._ctx.error_files[0])
+        sig = failure.signal_name() if rc < 0 else None
+        raw = failure.message
+        raw = raw.get("message", "") if isinstance(raw, dict) else raw
+        message = raw.strip().splitlines()[-1] if isinstance(raw, str) and raw.strip() else ""
+        if message.startswith(("Signal ", "To enable traceback")):
+            message = ""  # elastic's placeholder text, not something the worker said
+        self.exit = ExitStatus(proc.pid, rc, sig, message)
         return self.exit
+
+    def finish(self) -> None:
+        """Close the ended process's context: flush and stop its log tails."""
+        if self._ctx is not None:
+            self._ctx.close()
 
     def silent_for(self) -> float:
         """Seconds since the worker last touched its heartbeat file (0 if it never did)."""
