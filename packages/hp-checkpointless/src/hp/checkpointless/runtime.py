@@ -11,6 +11,7 @@ that has it (:mod:`hp.checkpointless.state`). Survivors never re-import torch or
 from __future__ import annotations
 
 import os
+import signal
 import threading
 from collections.abc import Iterator
 from datetime import timedelta
@@ -29,6 +30,9 @@ from hp.core.errors import ControlPlaneError, UsageError
 from hp.core.plugins import get_backend
 
 EXIT_ESCALATED = 75  # EX_TEMPFAIL: this rank keeps failing; the agent replaces the process
+# Sent by the watch thread to the main thread to stop a step whose group is already dead. SIGUSR2,
+# not SIGUSR1, which Slurm and Lightning use for requeue notices.
+INTERRUPT_SIGNAL = signal.SIGUSR2
 
 
 class CollectiveError(RuntimeError):
@@ -97,6 +101,11 @@ class Context:
         self._latest = 0  # newest generation the watch thread has seen
         self._step: Step | None = None
         self._step_done = False
+        self._interruptible = False  # True only while user code of a step runs (never inside commit)
+        self._interrupt_sent = 0  # generation the main thread was last interrupted for
+        self._can_interrupt = threading.current_thread() is threading.main_thread()
+        if self._can_interrupt:
+            signal.signal(INTERRUPT_SIGNAL, self._interrupt)
         self._watch = membership.Watch(
             lambda: membership.connect_store(*self._store_addr), env.get("HP_HEARTBEAT_FILE"), self._on_generation,
         ).start()
@@ -134,7 +143,11 @@ class Context:
                 except Exception as exc:  # an injected fault: the step failed before the user's code ran
                     self._recover(self._step, exc)
                     continue
-                yield self._step
+                self._interruptible = True
+                try:
+                    yield self._step
+                finally:
+                    self._interruptible = False
                 if not self._step_done:
                     raise UsageError("each step must end with ctx.commit(loss)")
         finally:
@@ -144,6 +157,7 @@ class Context:
         """Average gradients across ranks, vote, and apply the optimizer step; returns the global
         mean loss. Raises :class:`CollectiveError` if a peer fails before the vote completes."""
         step = self._step
+        self._interruptible = False  # from here on a failure surfaces in a collective, never midway
         params = [p for p in self._model.parameters() if p.requires_grad]
         self._phase(step, "allreduce")
         grads = self._flat_grads(params)
@@ -223,8 +237,20 @@ class Context:
     # ---- recovery -----------------------------------------------------------------------
     def _on_generation(self, latest: int) -> None:
         """Watch thread: remember the newest generation, so that this rank does not enter another
-        collective of a group that is already dead."""
+        collective of a group that is already dead, and stop a step that is computing for nothing:
+        without this, a peer that died at the start of a step is noticed only at its all-reduce, a
+        whole step later."""
         self._latest = max(self._latest, latest)
+        if (self._can_interrupt and self._interruptible and self._pg_live and latest > self.generation
+                and self._interrupt_sent < latest):
+            self._interrupt_sent = latest
+            signal.pthread_kill(threading.main_thread().ident, INTERRUPT_SIGNAL)
+
+    def _interrupt(self, signum: int, frame: Any) -> None:
+        """Main thread, between two Python bytecodes of the user's step (torch ops run to the end)."""
+        if self._interruptible and self._latest > self.generation:
+            self._interruptible = False
+            raise CollectiveError(f"generation {self.generation} superseded by {self._latest} during the step")
 
     def _release_pg(self) -> None:
         """Destroy the failed group. Destroying (not just aborting) closes its sockets, which is
@@ -330,6 +356,7 @@ class Context:
 
     def close(self) -> None:
         """Leave the job: stop the watch thread, destroy the process group. Idempotent."""
+        self._interruptible = False
         self._watch.stop()
         with self._pg_lock:
             if self._pg_live and dist.is_initialized():
