@@ -107,3 +107,18 @@ def test_multi_node_without_a_token_is_refused(launch, tmp_path, free_port):
     assert job.output.strip().splitlines() == [
         "hp: error: a shared job token is required: set HP_JOB_TOKEN or --token-file (`hp token` prints a new one)"
     ]
+
+
+def test_standalone_controller_runs_the_job(launch, tmp_path, free_port):
+    token = {"HP_JOB_TOKEN": "s" * 64}
+    controller = launch("controller", "--nnodes", "1", "--port", str(free_port),
+                        "--decision-log", str(tmp_path / "decisions.jsonl"), extra_env=token)
+    job = launch("run", "--external-controller", "--rdzv-endpoint", f"127.0.0.1:{free_port}",
+                 "--nproc-per-node", "2", MARKER, extra_env=token)
+    wait_for(_all_started(tmp_path, 2), what="2 workers to start")
+    (tmp_path / "finish").touch()
+    assert job.wait() == 0, job.output
+    assert controller.wait() == 0, controller.output
+    assert "job succeeded" in controller.output
+    decisions = [json.loads(line)["decision"] for line in (tmp_path / "decisions.jsonl").read_text().splitlines()]
+    assert decisions[0] == "join" and decisions[-1] == "job_succeeded"
