@@ -253,14 +253,14 @@ class Context:
             raise CollectiveError(f"generation {self.generation} superseded by {self._latest} during the step")
 
     def _release_pg(self) -> None:
-        """Destroy the failed group. Destroying (not just aborting) closes its sockets, which is
-        what releases peers still blocked in a collective of it (gloo has no cancel). Called while
-        the failed collective's exception is alive, so its tensors are still referenced from Python
-        and gloo's worker threads never need the GIL to free them while we wait for them here."""
+        """Tear the failed group down through the transport (for gloo: destroy, which closes the
+        sockets that peers still blocked in one of its collectives wait on). Every tensor handed to
+        a collective is kept referenced from Python (grads, vote, agree buffers), so gloo's worker
+        threads never need the GIL to free one while the teardown waits for them."""
         with self._pg_lock:
             if self._pg_live:
                 self._pg_live = False
-                dist.destroy_process_group()
+                self._transport.abort()
                 self.events.record("released", generation=self.generation, rank=self._rank)
 
     def _recover(self, step: Step, exc: Exception) -> None:

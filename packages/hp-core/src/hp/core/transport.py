@@ -62,12 +62,15 @@ class TransportBackend:
         )
 
     def abort(self) -> None:
-        """Abort the default process group, releasing ranks blocked in a collective."""
+        """Tear down the default process group of a failed generation so that peers blocked in
+        one of its collectives are released. For gloo that takes destroying the group: it closes the
+        sockets (an abort alone leaves them open and a peer waiting on them blocked until timeout).
+        Call it when no Python frame of the failed collective is alive any more, or the group (and
+        its sockets) outlive the call."""
         import torch.distributed as dist
-        from torch.distributed.distributed_c10d import _abort_process_group
 
         if dist.is_initialized():
-            _abort_process_group()
+            dist.destroy_process_group()
 
 
 class GlooTransport(TransportBackend):
@@ -129,6 +132,14 @@ class NcclTransport(TransportBackend):
 
     def device_for(self, local_rank: int) -> str:
         return f"cuda:{local_rank}"
+
+    def abort(self) -> None:
+        # NCCL communicators stuck in a kernel must be aborted; destroying them would wait forever.
+        import torch.distributed as dist
+        from torch.distributed.distributed_c10d import _abort_process_group
+
+        if dist.is_initialized():
+            _abort_process_group()
 
     def init_process_group(self, store, rank, world_size, generation, timeout=timedelta(minutes=10)):
         import torch
