@@ -10,9 +10,9 @@ PYTHON=${PYTHON:-python3}
 HP_TORCH=${HP_TORCH:-torch==2.13.0}
 
 [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
-.venv/bin/python -m pip install --quiet --upgrade "pip>=24" "setuptools>=69" wheel
-.venv/bin/python -m pip install --quiet "$HP_TORCH"
-.venv/bin/python -m pip install --quiet \
+.venv/bin/python -m pip install -qq --upgrade "pip>=24" "setuptools>=69" wheel
+.venv/bin/python -m pip install -qq "$HP_TORCH"
+.venv/bin/python -m pip install -qq \
     -e "packages/hp-core[test]" \
     -e "packages/hp-elastic[test]" \
     -e "packages/hp-checkpointless[test]" \
