@@ -110,9 +110,9 @@ def _phases(marks: dict[str, float | None]) -> dict[str, float]:
 
 # ---------------------------------------------------------------- hp: in-process, one hot spare
 def _hp_job(demo: DemoConfig, cfg: BenchConfig, log_dir: str, faults: list[dict]) -> RunResult:
-    """``run_job`` of the demo plus the model-shape arguments (DemoConfig has no vocab/seq fields)."""
+    """The demo's job under this bench's runner (a timeout that kills the whole process group)."""
     env = {**os.environ, "HP_FAULTS": json.dumps(faults)}
-    rc, wall, out = _run(job_command(demo, log_dir) + cfg.train_args(), env, cfg.timeout_s,
+    rc, wall, out = _run(job_command(demo, log_dir), env, cfg.timeout_s,
                          os.path.join(log_dir, "output.log"))
     return RunResult(rc, wall, read_events(os.path.join(log_dir, "events")), out)
 
@@ -120,7 +120,7 @@ def _hp_job(demo: DemoConfig, cfg: BenchConfig, log_dir: str, faults: list[dict]
 def run_hp(cfg: BenchConfig, root: str) -> dict[str, Any]:
     demo = DemoConfig(fault="kill", phase="forward", steps=cfg.steps, fault_step=cfg.fault_step + 1,
                       fault_rank=cfg.fault_rank, nproc=cfg.nproc, spares=1, model_size=cfg.model_size,
-                      hang_timeout_s=60.0, corpus_mb=cfg.corpus_mb, seed=cfg.seed)
+                      hang_timeout_s=60.0, corpus_mb=cfg.corpus_mb, seed=cfg.seed, train_args=cfg.train_args())
     fault = {"at_step": cfg.fault_step + 1, "phase": "forward", "kind": "kill", "rank": cfg.fault_rank}
     _log("hp: fault-free reference")
     reference = _hp_job(demo, cfg, os.path.join(root, "hp-reference"), [])

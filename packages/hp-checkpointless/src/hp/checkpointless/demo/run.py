@@ -32,6 +32,7 @@ class DemoConfig:
     corpus_mb: int = 16
     seed: int = 0
     max_restarts: int = 0
+    train_args: list[str] = field(default_factory=list)  # extra flags for demo/train.py (e.g. --vocab)
     log_dir: str | None = None
     extra_faults: list[dict] = field(default_factory=list)
 
@@ -66,6 +67,7 @@ def job_command(cfg: DemoConfig, log_dir: str) -> list[str]:
         "-m", "hp.checkpointless.demo.train",
         "--steps", str(cfg.steps), "--model-size", cfg.model_size,
         "--corpus-mb", str(cfg.corpus_mb), "--seed", str(cfg.seed),
+        *cfg.train_args,
     ]
 
 
