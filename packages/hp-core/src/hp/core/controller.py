@@ -344,6 +344,10 @@ class Controller:
         self._require_running()
         rank = self._member_rank(p, node)
         reason = p.get("reason") if isinstance(p.get("reason"), str) else "failure"
+        if reason == "unrecoverable":  # state no peer can rebuild: in-process recovery is over
+            message = p.get("message") if isinstance(p.get("message"), str) else "state lost"
+            self._fail(f"rank {rank} cannot recover in process: {message}")
+            return {"action": "stop", "reason": self.reason, "generation": self.generation}
         # only a rank's own exceptions count against it: a collective error names no culprit
         count = self.rank_exceptions.get(rank, 0) + (reason == "exception")
         self.rank_exceptions[rank] = count
