@@ -9,6 +9,14 @@ PYTHON=${PYTHON:-python3}
 # set HP_TORCH (e.g. HP_TORCH="torch==2.13.0" from PyTorch's CUDA index) before running.
 HP_TORCH=${HP_TORCH:-torch==2.13.0}
 
+# hp-chaos's multi-node tests put each "node" in a network namespace (ip, iptables, nsenter); only
+# root can use them, so only root installs them, once.
+if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null \
+    && ! { command -v ip && command -v iptables && command -v nsenter; } >/dev/null 2>&1; then
+    apt-get install -y -qq iproute2 iptables util-linux >/dev/null 2>&1 \
+        || { apt-get update -qq && apt-get install -y -qq iproute2 iptables util-linux >/dev/null; }
+fi
+
 [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
 .venv/bin/python -m pip install -qq --upgrade "pip>=24" "setuptools>=69" wheel
 .venv/bin/python -m pip install -qq "$HP_TORCH"
