@@ -1,0 +1,227 @@
+"""What every fault kind is made of: targets, parameters, and how it gets into a running job.
+
+A fault in a scenario file is ``{kind, at_step, target, phase?, ...parameters}``. Its kind (a
+plugin of family ``fault``) validates it into a :class:`FaultSpec` and turns that into an
+:class:`Injection`: entries for the in-process plan (``HP_FAULTS``, read by
+:mod:`hp.checkpointless.faults`, exact to the step and phase) and :class:`Action` objects the
+runner performs from outside (a signal to a spare or an agent, an iptables rule), for what a
+training process cannot do to itself.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+PHASES = ("forward", "backward", "allreduce", "commit", "optimizer", "hydration")
+TARGET_KINDS = ("rank", "node", "spare", "controller", "storage")
+_INDEXED = ("rank", "node", "spare")
+
+
+class ScenarioError(ValueError):
+    """A malformed scenario. ``key`` names where, e.g. ``faults[1].duration_s``."""
+
+    def __init__(self, key: str, message: str) -> None:
+        super().__init__(f"{key}: {message}")
+        self.key = key
+
+
+@dataclass(frozen=True)
+class Target:
+    """``rank:N``, ``node:N``, ``spare:N`` (N-th hot spare of the job, node-major), ``controller``
+    (the process hosting the job controller), ``storage`` (the job's S3 endpoint)."""
+
+    kind: str
+    index: int | None = None
+
+    @classmethod
+    def parse(cls, text: Any, key: str) -> Target:
+        if not isinstance(text, str):
+            raise ScenarioError(key, f"must be a string like 'rank:1', got {text!r}")
+        kind, _, index = text.partition(":")
+        if kind not in TARGET_KINDS:
+            raise ScenarioError(key, f"unknown target {text!r}; forms: rank:N, node:N, spare:N, controller, storage")
+        if kind in _INDEXED:
+            if not index.isdigit():
+                raise ScenarioError(key, f"{kind} targets need a number: '{kind}:N', got {text!r}")
+            return cls(kind, int(index))
+        if index:
+            raise ScenarioError(key, f"'{kind}' takes no index, got {text!r}")
+        return cls(kind)
+
+    def __str__(self) -> str:
+        return self.kind if self.index is None else f"{self.kind}:{self.index}"
+
+
+@dataclass(frozen=True)
+class JobShape:
+    """The part of a scenario's job a fault checks its target against."""
+
+    nodes: int
+    nproc_per_node: int
+    spares: int  # per node
+    steps: int
+
+    @property
+    def world_size(self) -> int:
+        return self.nodes * self.nproc_per_node
+
+
+@dataclass(frozen=True)
+class Param:
+    """One kind-specific parameter: its type, a default (``None``: required unless ``optional``)
+    and a check that returns an error message or ``None``."""
+
+    type: type
+    default: Any = None
+    optional: bool = False
+    check: Callable[[Any], str | None] | None = None
+
+
+def positive(v: float) -> str | None:
+    return None if v > 0 and math.isfinite(v) else f"must be > 0, got {v!r}"
+
+
+@dataclass(frozen=True)
+class FaultSpec:
+    index: int  # position in the scenario's fault list
+    kind: str
+    at_step: int
+    target: Target
+    phase: str | None
+    params: dict[str, Any] = field(default_factory=dict)
+
+    def label(self) -> str:
+        phase = f" ({self.phase})" if self.phase else ""
+        return f"{self.kind} of {self.target} at step {self.at_step}{phase}"
+
+
+class LiveJob(Protocol):
+    """What the runner shows an action while the faulted job runs."""
+
+    def committed(self) -> int: ...  # newest step rank 0 committed (-1 before the first)
+
+    def events(self) -> list[dict]: ...  # every event recorded so far, oldest first
+
+    def spare_pid(self, spare: int) -> int | None: ...
+
+    def controller_pid(self) -> int | None: ...
+
+    def record(self, event: str, **fields: Any) -> None: ...  # into the job's event log
+
+    @property
+    def storage(self) -> Any: ...  # the job's storage server (pid, port) or None
+
+    @property
+    def topology(self) -> Any: ...  # hp.chaos.topology.Topology for nodes > 1, else None
+
+
+class Action:
+    """Something the runner does from outside the job. ``ready`` is polled (every ~20 ms) until
+    true, then ``fire`` runs once; the callable it returns (if any) undoes the fault, and runs
+    ``duration_s`` later or when the run ends, whichever is first."""
+
+    duration_s: float | None = None
+
+    def ready(self, job: LiveJob) -> bool:
+        raise NotImplementedError
+
+    def fire(self, job: LiveJob) -> Callable[[], None] | None:
+        raise NotImplementedError
+
+
+class AtStep(Action):
+    """Fires once rank 0 has committed ``at_step - 1``, i.e. while step ``at_step`` runs."""
+
+    def __init__(self, spec: FaultSpec) -> None:
+        self.spec = spec
+        self.duration_s = spec.params.get("duration_s")
+
+    def ready(self, job: LiveJob) -> bool:
+        return job.committed() >= self.spec.at_step - 1
+
+    def record(self, job: LiveJob, **fields: Any) -> None:
+        # the same event an in-process fault records, so hp's recovery timeline covers both
+        job.record("fault_injected", kind=self.spec.kind, phase=None, step=self.spec.at_step, rank=None,
+                   target=str(self.spec.target), fault=self.spec.index, **fields)
+
+
+@dataclass
+class Injection:
+    hp_faults: list[dict] = field(default_factory=list)  # in-process plan entries (HP_FAULTS)
+    actions: list[Action] = field(default_factory=list)  # done by the runner from outside
+
+
+class FaultKind:
+    """Base of every fault plugin. Subclasses set ``name``, ``targets`` (target kinds accepted),
+    ``phased`` (whether ``phase`` applies: in-process faults on ``rank`` targets), ``params`` and
+    implement :meth:`inject`. The class docstring is the kind's documentation (``hp chaos faults``)."""
+
+    name: str = ""
+    targets: tuple[str, ...] = ()
+    phased: bool = False
+    min_nodes: int = 1
+    params: dict[str, Param] = {}
+
+    @property
+    def summary(self) -> str:
+        return (self.__doc__ or "").strip().splitlines()[0]
+
+    def validate(self, raw: dict, key: str, index: int, job: JobShape) -> FaultSpec:
+        """Check one raw fault mapping; :class:`ScenarioError` names the offending key."""
+        known = {"kind", "at_step", "target", "phase", *self.params}
+        for k in raw:
+            if k not in known:
+                raise ScenarioError(f"{key}.{k}", f"unknown key for a {self.name} fault; keys: {sorted(known)}")
+        at_step = raw.get("at_step")
+        if type(at_step) is not int or not 0 <= at_step < job.steps:
+            raise ScenarioError(f"{key}.at_step", f"must be an integer in [0, job.steps={job.steps}), got {at_step!r}")
+        if "target" not in raw:
+            raise ScenarioError(f"{key}.target", "missing")
+        target = Target.parse(raw["target"], f"{key}.target")
+        if target.kind not in self.targets:
+            raise ScenarioError(f"{key}.target", f"a {self.name} fault targets {' or '.join(self.targets)}, "
+                                                 f"got {str(target)!r}")
+        if job.nodes < self.min_nodes:
+            raise ScenarioError(f"{key}.kind", f"a {self.name} fault needs job.nodes >= {self.min_nodes}, "
+                                               f"got {job.nodes}")
+        self._check_target(target, f"{key}.target", job)
+        phase = raw.get("phase")
+        if phase is not None:
+            if not (self.phased and target.kind == "rank"):
+                raise ScenarioError(f"{key}.phase", f"a {self.name} fault on {target.kind} fires at a step, "
+                                                    "not at a phase: leave phase out")
+            if phase not in PHASES:
+                raise ScenarioError(f"{key}.phase", f"must be one of {list(PHASES)}, got {phase!r}")
+        elif self.phased and target.kind == "rank":
+            phase = "forward"
+        return FaultSpec(index, self.name, at_step, target, phase, self._params(raw, key))
+
+    def _check_target(self, target: Target, key: str, job: JobShape) -> None:
+        bound = {"rank": job.world_size, "node": job.nodes, "spare": job.nodes * job.spares}.get(target.kind)
+        if bound is not None and not target.index < bound:
+            have = f"{target.kind}s 0..{bound - 1}" if bound else f"no {target.kind}s"
+            raise ScenarioError(key, f"{target} does not exist: the job has {have}")
+
+    def _params(self, raw: dict, key: str) -> dict[str, Any]:
+        out = {}
+        for name, p in self.params.items():
+            if name not in raw:
+                if p.default is None and not p.optional:
+                    raise ScenarioError(f"{key}.{name}", f"required for a {self.name} fault")
+                out[name] = p.default
+                continue
+            value = raw[name]
+            if p.type is float and type(value) is int:
+                value = float(value)
+            if type(value) is not p.type:
+                raise ScenarioError(f"{key}.{name}", f"must be a {p.type.__name__}, got {value!r}")
+            if p.check and (msg := p.check(value)):
+                raise ScenarioError(f"{key}.{name}", msg)
+            out[name] = value
+        return out
+
+    def inject(self, spec: FaultSpec, job: JobShape) -> Injection:
+        raise NotImplementedError

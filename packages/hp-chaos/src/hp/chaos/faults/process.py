@@ -1,0 +1,129 @@
+"""Process faults: ``kill``, ``hang``, ``exception``, ``slow``.
+
+On a ``rank:N`` target they are injected in process (:mod:`hp.checkpointless.faults`), exact to
+the step and phase, by the process that first held the rank. On ``spare:N`` and ``controller`` the
+runner sends the signal from outside while step ``at_step`` runs: a spare waits outside the step
+loop, and the controller lives in node 0's agent, neither of which runs training steps.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from collections.abc import Callable
+
+from hp.chaos.faults.base import Action, AtStep, FaultKind, FaultSpec, Injection, JobShape, LiveJob, Param, positive
+from hp.core.hookspecs import hookimpl
+
+
+def _in_process(spec: FaultSpec, **extra) -> dict:
+    return {"at_step": spec.at_step, "phase": spec.phase, "kind": spec.kind, "rank": spec.target.index, **extra}
+
+
+def _signal(pid: int, sig: signal.Signals) -> None:
+    try:
+        os.kill(pid, sig)
+    except ProcessLookupError:
+        pass  # it died meanwhile (e.g. the agent killed a hung process): nothing left to do
+
+
+class SignalAt(AtStep):
+    """Send ``sig`` to a spare or to the controller's process while step ``at_step`` runs;
+    ``resume`` (SIGCONT) undoes a SIGSTOP."""
+
+    def __init__(self, spec: FaultSpec, sig: signal.Signals, resume: bool = False) -> None:
+        super().__init__(spec)
+        self.sig, self.resume = sig, resume
+
+    def _pid(self, job: LiveJob) -> int | None:
+        t = self.spec.target
+        return job.spare_pid(t.index) if t.kind == "spare" else job.controller_pid()
+
+    def ready(self, job: LiveJob) -> bool:
+        return super().ready(job) and self._pid(job) is not None
+
+    def fire(self, job: LiveJob) -> Callable[[], None] | None:
+        pid = self._pid(job)
+        self.record(job, pid=pid, signal=self.sig.name)
+        _signal(pid, self.sig)
+        if not self.resume:
+            return None
+
+        def undo() -> None:
+            _signal(pid, signal.SIGCONT)
+            job.record("fault_resumed", fault=self.spec.index, pid=pid)
+        return undo
+
+
+class ResumeHung(Action):
+    """An in-process ``hang`` stops its own process; this sends it SIGCONT ``duration_s`` after the
+    fault was recorded (if the agent's hang detection has not killed it first)."""
+
+    def __init__(self, spec: FaultSpec) -> None:
+        self.spec, self.duration_s, self._pid = spec, spec.params["duration_s"], None
+
+    def ready(self, job: LiveJob) -> bool:
+        s = self.spec
+        for e in job.events():
+            if (e["event"] == "fault_injected" and e.get("kind") == "hang" and e.get("rank") == s.target.index
+                    and e.get("step") == s.at_step and e.get("phase") == s.phase):
+                self._pid = e["pid"]
+                return True
+        return False
+
+    def fire(self, job: LiveJob) -> Callable[[], None]:
+        pid = self._pid
+
+        def undo() -> None:
+            _signal(pid, signal.SIGCONT)
+            job.record("fault_resumed", fault=self.spec.index, pid=pid)
+        return undo
+
+
+class Kill(FaultKind):
+    """SIGKILL a process: a rank (in process, at a phase), a hot spare, or the controller's process."""
+
+    name, targets, phased = "kill", ("rank", "spare", "controller"), True
+
+    def inject(self, spec: FaultSpec, job: JobShape) -> Injection:
+        if spec.target.kind == "rank":
+            return Injection(hp_faults=[_in_process(spec)])
+        return Injection(actions=[SignalAt(spec, signal.SIGKILL)])
+
+
+class Hang(FaultKind):
+    """SIGSTOP a process (a rank at a phase, a spare, the controller's process); with duration_s, SIGCONT it after that many seconds."""
+
+    name, targets, phased = "hang", ("rank", "spare", "controller"), True
+    params = {"duration_s": Param(float, optional=True, check=positive)}
+
+    def inject(self, spec: FaultSpec, job: JobShape) -> Injection:
+        if spec.target.kind == "rank":
+            resume = [ResumeHung(spec)] if spec.params["duration_s"] else []
+            return Injection(hp_faults=[_in_process(spec)], actions=resume)
+        return Injection(actions=[SignalAt(spec, signal.SIGSTOP, resume=bool(spec.params["duration_s"]))])
+
+
+class Exception_(FaultKind):
+    """Raise inside the step at a phase of a rank: the CPU stand-in for a recoverable device error."""
+
+    name, targets, phased = "exception", ("rank",), True
+
+    def inject(self, spec: FaultSpec, job: JobShape) -> Injection:
+        return Injection(hp_faults=[_in_process(spec)])
+
+
+class Slow(FaultKind):
+    """A straggler: the rank sleeps delay_s (default 0.2) at the phase of each of steps (default 5) steps; nothing fails."""
+
+    name, targets, phased = "slow", ("rank",), True
+    params = {"delay_s": Param(float, default=0.2, check=positive),
+              "steps": Param(int, default=5, check=lambda n: None if n >= 1 else f"must be >= 1, got {n}")}
+
+    def inject(self, spec: FaultSpec, job: JobShape) -> Injection:
+        return Injection(hp_faults=[_in_process(spec, **spec.params)])
+
+
+@hookimpl
+def hp_fault_kinds() -> list[FaultKind]:
+    return [Kill(), Hang(), Exception_(), Slow()]

@@ -1,0 +1,227 @@
+"""Run one job of a scenario (the fault-free reference or the faulted one) and act on it meanwhile.
+
+The job is ``hp run`` of the demo GPT (:func:`hp.checkpointless.demo.run.job_command`), one agent
+per node: on loopback for ``nodes: 1``, in a network namespace per node
+(:class:`hp.chaos.topology.Topology`) otherwise. While it runs, the events its processes record
+(:mod:`hp.checkpointless.events`) are tailed, so the runner's actions (a signal to a spare, an
+iptables rule) can fire at a step; the runner records its own actions into the same event log.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from hp.chaos.faults.base import Action
+from hp.chaos.scenario import JobSpec
+from hp.checkpointless.demo.run import DemoConfig, RunResult, job_command
+from hp.checkpointless.events import EventLog, read_events
+from hp.core import auth
+from hp.core.testing import free_port, kill_tagged
+
+POLL_S = 0.02
+TAG_ENV = "HP_CHAOS_RUN"  # every process of a run inherits it: stragglers are found and killed by it
+
+
+def demo_config(job: JobSpec, spares: int | None = None) -> DemoConfig:
+    return DemoConfig(nproc=job.nproc_per_node, spares=job.spares if spares is None else spares, steps=job.steps,
+                      model_size=job.model, hang_timeout_s=job.hang_timeout_s, corpus_mb=job.corpus_mb,
+                      seed=job.seed, max_restarts=job.max_restarts)
+
+
+def node_command(cfg: DemoConfig, log_dir: str, nodes: int, node: int, endpoint: str | None) -> list[str]:
+    """``hp run`` of one node: the demo's command with the multi-node flags added."""
+    cmd = job_command(cfg, log_dir)
+    if nodes == 1:
+        return cmd
+    run = cmd.index("run") + 1
+    return [*cmd[:run], "--nnodes", str(nodes), "--node-rank", str(node), "--rdzv-endpoint", endpoint, *cmd[run:]]
+
+
+class _Tail:
+    """Incremental reader of a job's JSON-lines event files (one per process, appended to)."""
+
+    def __init__(self, dirs: list[str]) -> None:
+        self.dirs, self.events = dirs, []
+        self._offsets: dict[str, int] = {}
+
+    def poll(self) -> list[dict]:
+        new = []
+        for d in self.dirs:
+            for name in sorted(os.listdir(d)) if os.path.isdir(d) else []:
+                path = os.path.join(d, name)
+                with open(path) as f:
+                    f.seek(self._offsets.get(path, 0))
+                    chunk = f.read()
+                complete = chunk[:chunk.rfind("\n") + 1]  # a line being written is read next time
+                self._offsets[path] = self._offsets.get(path, 0) + len(complete.encode())
+                new += [json.loads(line) for line in complete.splitlines() if line.strip()]
+        new.sort(key=lambda e: e["t"])
+        self.events += new
+        return new
+
+
+@dataclass
+class Live:
+    """The running job as actions see it (:class:`hp.chaos.faults.base.LiveJob`)."""
+
+    agents: list[subprocess.Popen]
+    tail: _Tail
+    log: EventLog
+    storage: Any = None
+    topology: Any = None
+    spares_per_node: int = 1
+    _committed: int = -1
+    _spares: dict[str, int] = field(default_factory=dict)
+
+    def update(self) -> None:
+        for e in self.tail.poll():
+            if e["event"] == "commit" and e.get("rank") == 0:
+                self._committed = max(self._committed, e["step"])
+            elif e["event"] == "spare_ready":
+                self._spares[e["spare"]] = e["pid"]
+
+    def committed(self) -> int:
+        return self._committed
+
+    def events(self) -> list[dict]:
+        return self.tail.events
+
+    def spare_pid(self, spare: int) -> int | None:
+        per_node = max(1, self.spares_per_node)
+        return self._spares.get(f"n{spare // per_node}s{spare % per_node}")
+
+    def controller_pid(self) -> int | None:
+        return self.agents[0].pid  # node 0's agent hosts the controller
+
+    def record(self, event: str, **fields: Any) -> None:
+        self.log.record(event, **fields)
+
+
+@dataclass
+class JobRun:
+    result: RunResult
+    timed_out: bool
+    orphans_killed: int  # processes of the job still alive after its agents ended
+    action_errors: list[str]
+
+
+def run_job(job: JobSpec, log_dir: str, hp_faults: list[dict], actions: list[Action] = (),
+            env: dict[str, str] | None = None, spares: int | None = None, storage: Any = None) -> JobRun:
+    """Run the job to its end (or ``job.timeout_s``), firing ``actions`` on the way; every process
+    it started is gone when this returns."""
+    os.makedirs(log_dir, exist_ok=True)
+    tag = uuid.uuid4().hex
+    cfg = demo_config(job, spares)
+    base_env = {**os.environ, **(env or {}), "HP_FAULTS": json.dumps(hp_faults), TAG_ENV: tag}
+    with contextlib.ExitStack() as stack:
+        topo = None
+        if job.nodes > 1:
+            from hp.chaos.topology import Topology
+
+            topo = stack.enter_context(Topology(job.nodes))
+            base_env.setdefault(auth.TOKEN_ENV, auth.new_token())
+        out = stack.enter_context(open(os.path.join(log_dir, "job.out"), "w"))
+        node_dirs = [log_dir] if job.nodes == 1 else [os.path.join(log_dir, f"node{i}") for i in range(job.nodes)]
+        endpoint = f"{topo.address(0)}:{free_port()}" if topo else None
+        agents = []
+        start = time.monotonic()
+        for i, node_dir in enumerate(node_dirs):
+            argv = node_command(cfg, node_dir, job.nodes, i, endpoint)
+            if topo:
+                agents.append(topo.run_in(i, argv, {**base_env, "GLOO_SOCKET_IFNAME": topo.ifname(i)},
+                                          stdout=out, stderr=subprocess.STDOUT, start_new_session=True))
+            else:
+                agents.append(subprocess.Popen(argv, env=base_env, stdout=out, stderr=subprocess.STDOUT,
+                                               start_new_session=True))
+        live = Live(agents, _Tail([os.path.join(d, "events") for d in node_dirs]),
+                    EventLog(os.path.join(node_dirs[0], "events"), "chaos"), storage, topo, job.spares)
+        try:
+            timed_out, errors = _watch(live, list(actions), start + job.timeout_s)
+        finally:
+            live.log.close()
+            orphans = _reap(agents, tag)
+        wall = time.monotonic() - start
+    with open(os.path.join(log_dir, "job.out")) as f:
+        output = f.read()
+    events = [e for d in node_dirs for e in read_events(os.path.join(d, "events"))]
+    events.sort(key=lambda e: e["t"])
+    code = agents[0].returncode if not timed_out else 124
+    if job.nodes > 1 and code == 0:
+        code = next((a.returncode for a in agents if a.returncode), 0)
+    return JobRun(RunResult(code, wall, events, output), timed_out, orphans, errors)
+
+
+def _watch(live: Live, actions: list[Action], deadline: float) -> tuple[bool, list[str]]:
+    """Poll events and fire due actions until every agent has exited; undo what is still active."""
+    pending, undos, errors = list(actions), [], []  # undos: (due time, fn)
+    try:
+        while any(a.poll() is None for a in live.agents):
+            if time.monotonic() > deadline:
+                return True, errors
+            live.update()
+            for action in list(pending):
+                try:
+                    if action.ready(live):
+                        pending.remove(action)
+                        undo = action.fire(live)
+                        if undo is not None:
+                            due = time.monotonic() + action.duration_s if action.duration_s else float("inf")
+                            undos.append((due, undo))
+                except Exception as e:  # a fault that cannot be applied is a result, not a crash
+                    pending.remove(action)
+                    errors.append(f"{type(action).__name__}: {type(e).__name__}: {e}")
+            for item in [u for u in undos if u[0] <= time.monotonic()]:
+                undos.remove(item)
+                _safely(item[1], errors)
+            time.sleep(POLL_S)
+        live.update()
+        return False, errors
+    finally:
+        for _, undo in undos:
+            _safely(undo, errors)
+
+
+def _safely(fn: Callable[[], None], errors: list[str]) -> None:
+    try:
+        fn()
+    except Exception as e:
+        errors.append(f"undo: {type(e).__name__}: {e}")
+
+
+def _reap(agents: list[subprocess.Popen], tag: str) -> int:
+    """Kill the agents' process groups, then any process of this run still alive (workers and
+    spares live in sessions of their own); returns how many of those were found."""
+    for a in agents:
+        if a.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(a.pid, signal.SIGKILL)
+        a.wait()
+    deadline = time.monotonic() + 3.0  # let orphans of a dead agent notice on their own first
+    while _tagged(tag) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    left = len(_tagged(tag))
+    kill_tagged(f"{TAG_ENV}={tag}")
+    return left
+
+
+def _tagged(tag: str) -> list[int]:
+    needle = f"{TAG_ENV}={tag}\0".encode()
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and int(entry) != os.getpid():
+            try:
+                with open(f"/proc/{entry}/environ", "rb") as f:
+                    if needle in f.read():
+                        found.append(int(entry))
+            except OSError:
+                pass
+    return found

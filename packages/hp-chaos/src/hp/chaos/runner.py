@@ -1,0 +1,213 @@
+"""Run a scenario: the fault-free reference and the faulted job, then check every expectation.
+
+The verdict comes from the jobs' own event logs: rank 0's committed losses as exact float bits
+(compared step by step), each fault's recovery (fault -> next commit, split into phases by
+:func:`hp.checkpointless.demo.run.recovery_timeline`), the failed generations, and goodput.
+
+**goodput** = productive step time / wall time of the faulted run's training window (its first
+to its last commit): the productive time of a step is what the same step took in the reference.
+Start-up (imports, model build) is identical in both runs and dominates a tiny job, so it is left
+out of both sides; a fault's cost shows as recovery and replayed work inside the window.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import hashlib
+import json
+import os
+import tempfile
+from dataclasses import asdict
+from typing import Any
+
+from hp.chaos.faults import fault_kinds
+from hp.chaos.faults.base import FaultSpec
+from hp.chaos.launch import JobRun, run_job
+from hp.chaos.scenario import JobSpec, Scenario
+from hp.checkpointless.demo.run import RunResult, compare, recovery_timeline, step_time
+
+
+class ReferenceCache:
+    """Fault-free runs by :meth:`JobSpec.reference_key`: in memory, and in ``directory`` if given
+    (shared by the processes of one session, e.g. ``pytest -n 2`` workers; a file lock makes the
+    second one wait for the first instead of running the same job again)."""
+
+    def __init__(self, directory: str | None = None) -> None:
+        self.directory = directory
+        self._memory: dict[tuple, RunResult] = {}
+
+    def get(self, job: JobSpec, env: dict[str, str] | None, fallback_dir: str) -> RunResult:
+        key = job.reference_key()
+        if key in self._memory:
+            return self._memory[key]
+        if self.directory is None:
+            result = _reference(job, os.path.join(fallback_dir, "reference"), env)
+        else:
+            name = "reference-" + hashlib.sha1(repr(key).encode()).hexdigest()[:16]
+            path = os.path.join(self.directory, name + ".json")
+            os.makedirs(self.directory, exist_ok=True)
+            with open(path + ".lock", "w") as lock:
+                fcntl.flock(lock, fcntl.LOCK_EX)
+                if os.path.exists(path):
+                    with open(path) as f:
+                        result = RunResult(**json.load(f))
+                else:
+                    result = _reference(job, os.path.join(self.directory, name), env)
+                    if result.returncode == 0:
+                        with open(path + ".tmp", "w") as f:
+                            json.dump(asdict(result), f)
+                        os.replace(path + ".tmp", path)
+        if result.returncode == 0:
+            self._memory[key] = result
+        return result
+
+
+def _reference(job: JobSpec, log_dir: str, env: dict[str, str] | None) -> RunResult:
+    # no spares: a fault-free run never uses one, and the losses do not depend on it
+    run = run_job(job, log_dir, [], env=env, spares=0)
+    return run.result
+
+
+def run_scenario(scenario: Scenario, log_dir: str | None = None, cache: ReferenceCache | None = None,
+                 env: dict[str, str] | None = None, storage: Any = None) -> dict:
+    """Run ``scenario``; returns the result (see :func:`evaluate`). ``storage``: the job's storage
+    server (:class:`hp.chaos.faults.storage.StorageServer`), needed by ``storage`` faults."""
+    if scenario.job.nodes > 1:
+        try:
+            import hp.chaos.topology  # noqa: F401
+        except ImportError:
+            raise NotImplementedError("nodes > 1 needs hp.chaos.topology (network namespaces: issue 4 part B), "
+                                      "which is not installed") from None
+    if storage is None and any(f.target.kind == "storage" for f in scenario.faults):
+        raise NotImplementedError(
+            "a storage fault needs a job that persists checkpoints to an S3 endpoint the harness started: "
+            "that job comes with hp-tiered-ckpt (issue 5); the fault itself is "
+            "hp.chaos.faults.storage.StorageOutage")
+    root = log_dir or tempfile.mkdtemp(prefix=f"hp_chaos_{scenario.name}_")
+    kinds = fault_kinds()
+    hp_faults, actions = [], []
+    for spec in scenario.faults:
+        injection = kinds[spec.kind].inject(spec, scenario.job.shape)
+        hp_faults += injection.hp_faults
+        actions += injection.actions
+    reference = (cache or ReferenceCache()).get(scenario.job, env, root)
+    faulted = run_job(scenario.job, os.path.join(root, "faulted"), hp_faults, actions, env=env, storage=storage)
+    result = evaluate(scenario, reference, faulted)
+    result["log_dir"] = root
+    return result
+
+
+def _matches(spec: FaultSpec, event: dict) -> bool:
+    if "fault" in event:  # recorded by the runner for an action it performed
+        return event["fault"] == spec.index
+    return (spec.target.kind == "rank" and event.get("kind") == spec.kind and event.get("rank") == spec.target.index
+            and event.get("step") == spec.at_step and event.get("phase") == spec.phase)
+
+
+def goodput(reference: RunResult, faulted: RunResult) -> float | None:
+    ref = {e["step"]: e["t"] for e in reference.events if e["event"] == "commit" and e.get("rank") == 0}
+    got = [e for e in faulted.events if e["event"] == "commit" and e.get("rank") == 0]
+    if len(got) < 2:
+        return None
+    first = got[0]["step"]
+    steps = {e["step"] for e in got if e["step"] > first}
+    productive = sum(ref[s] - ref[s - 1] for s in steps if s in ref and s - 1 in ref)
+    window = got[-1]["t"] - got[0]["t"]
+    return productive / window if window > 0 else None
+
+
+def _floats(losses: dict[int, list[str]]) -> dict[str, list[float]]:
+    return {str(s): [float.fromhex(x) for x in v] for s, v in sorted(losses.items())}
+
+
+def evaluate(scenario: Scenario, reference: RunResult, run: JobRun) -> dict:
+    """The result: ``passed``, ``bitwise_equal``, ``lost_steps``, ``recovery_s`` (one per fault),
+    ``goodput``, ``failures`` (unmet expectations, empty when passed) and the details behind them."""
+    faulted, expect = run.result, scenario.expect
+    events = faulted.events
+    completed = faulted.returncode == 0 and not run.timed_out
+    verdict = compare(reference, faulted)
+    timeline = recovery_timeline(events)
+    injected = [e for e in events if e["event"] == "fault_injected"]
+    faults = []
+    for spec in scenario.faults:
+        j = next((j for j, e in enumerate(injected) if _matches(spec, e)), None)
+        entry = timeline[j] if j is not None else {"recovery_s": None, "phases": {}}
+        faults.append({"fault": spec.label(), "fired": j is not None, "step": spec.at_step,
+                       "t": injected[j]["t"] if j is not None else None,
+                       "recovery_s": entry["recovery_s"], "phases": entry["phases"]})
+    recoveries = len({e["generation"] for e in events if e["event"] == "failure_detected"})
+    gp = goodput(reference, faulted)
+    failures: list[str] = []
+    if reference.returncode != 0:
+        failures.append(f"reference: the fault-free job failed (exit {reference.returncode}): "
+                        f"{_last_line(reference.output)}")
+    if run.timed_out:
+        failures.append(f"completes: the faulted job neither completed nor ended within {scenario.job.timeout_s} s")
+    elif expect.completes and not completed:
+        failures.append(f"completes: the faulted job failed (exit {faulted.returncode}): {_last_line(faulted.output)}")
+    elif not expect.completes and completed:
+        failures.append("completes: expected the faulted job to fail, it completed")
+    for i, f in enumerate(faults):
+        if not f["fired"]:
+            failures.append(f"faults[{i}] ({f['fault']}) never fired")
+    failures += [f"fault action: {e}" for e in run.action_errors]
+    if expect.bitwise_equal is not None and verdict["bitwise_equal"] != expect.bitwise_equal:
+        ref, got = reference.losses(), faulted.losses()
+        differ = sorted(s for s in set(ref) | set(got) if set(got.get(s, [])) != set(ref.get(s, [])[:1]))
+        failures.append(f"bitwise_equal: expected {expect.bitwise_equal}, got {verdict['bitwise_equal']} "
+                        f"(steps differing or missing: {differ[:10]})")
+    if expect.lost_steps is not None and verdict["lost_steps"] > expect.lost_steps:
+        failures.append(f"lost_steps: expected <= {expect.lost_steps}, got {verdict['lost_steps']}")
+    if expect.max_recovery_s is not None:
+        for i, f in enumerate(faults):
+            if f["fired"] and (f["recovery_s"] is None or f["recovery_s"] > expect.max_recovery_s):
+                got = "no commit after it" if f["recovery_s"] is None else f"{f['recovery_s']:.3f} s"
+                failures.append(f"max_recovery_s: faults[{i}] ({f['fault']}) expected <= {expect.max_recovery_s} s, "
+                                f"got {got}")
+    if expect.min_goodput is not None and (gp is None or gp < expect.min_goodput):
+        failures.append(f"min_goodput: expected >= {expect.min_goodput}, got {gp if gp is None else round(gp, 3)}")
+    if expect.recoveries is not None and recoveries > expect.recoveries:
+        failures.append(f"recoveries: expected <= {expect.recoveries}, got {recoveries}")
+    if expect.error_contains is not None and expect.error_contains not in faulted.output:
+        failures.append(f"error_contains: {expect.error_contains!r} not in the faulted job's output")
+    return {
+        "name": scenario.name,
+        "passed": not failures,
+        "bitwise_equal": verdict["bitwise_equal"],
+        "lost_steps": verdict["lost_steps"],
+        "recovery_s": [f["recovery_s"] for f in faults],
+        "goodput": gp,
+        "failures": failures,
+        "completed": completed,
+        "returncode": faulted.returncode,
+        "recoveries": recoveries,
+        "faults": faults,
+        "steps": scenario.job.steps,
+        "step_time_s": step_time(reference),
+        "wall_s": {"reference": reference.wall_s, "faulted": faulted.wall_s},
+        "orphans_killed": run.orphans_killed,
+        "losses": {"reference": _floats(reference.losses()), "faulted": _floats(faulted.losses())},
+        "t0": {"reference": _first_commit(reference), "faulted": _first_commit(faulted)},
+        "expect": {k: v for k, v in asdict(expect).items() if v is not None},
+        "job": asdict(scenario.job),
+        "source": scenario.source,
+        **({} if completed else {"error_tail": faulted.output[-1500:]}),
+    }
+
+
+def _first_commit(result: RunResult) -> float | None:
+    return next((e["t"] for e in result.events if e["event"] == "commit" and e.get("rank") == 0), None)
+
+
+def _last_line(output: str) -> str:
+    lines = [line for line in output.strip().splitlines() if line.strip()]
+    return lines[-1][:300] if lines else "(no output)"
+
+
+def write_result(result: dict, path: str) -> None:
+    with contextlib.suppress(FileNotFoundError):
+        os.remove(path)
+    with open(path, "w") as f:
+        json.dump(result, f, indent=1)

@@ -1,0 +1,156 @@
+"""Scenario files: a job, the faults to inject into it, and what must hold afterwards.
+
+```yaml
+name: kill-rank-in-allreduce
+job: {nodes: 1, nproc_per_node: 4, spares: 1, steps: 20, model: tiny, seed: 0}
+faults:
+  - {at_step: 12, phase: allreduce, kind: kill, target: "rank:1"}
+  - {at_step: 16, kind: hang, target: "rank:2", duration_s: 1.0}
+expect: {completes: true, bitwise_equal: true, lost_steps: 0, max_recovery_s: 2.0}
+```
+
+Every key is checked; a malformed file raises :class:`ScenarioError` whose ``key`` names the
+offending key (``job.steps``, ``faults[1].duration_s``, ...). Fault parameters are validated by
+the fault kind itself (plugin family ``fault``).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, fields
+from typing import Any
+
+import yaml
+
+from hp.chaos.faults.base import FaultSpec, JobShape, ScenarioError
+
+
+@dataclass(frozen=True)
+class JobSpec:
+    """The job under test: ``hp run`` of the demo GPT (:mod:`hp.checkpointless.demo.train`)."""
+
+    nodes: int = 1
+    nproc_per_node: int = 4
+    spares: int = 1  # hot spares per node
+    steps: int = 20
+    model: str = "tiny"  # demo model size: tiny | small | 25m
+    seed: int = 0
+    hang_timeout_s: float = 10.0  # agent's heartbeat silence before a rank counts as hung
+    max_restarts: int = 0  # process restarts per rank when no spare is left
+    corpus_mb: int = 2
+    timeout_s: float = 240.0  # a hang guard per job, not a measurement
+
+    @property
+    def shape(self) -> JobShape:
+        return JobShape(self.nodes, self.nproc_per_node, self.spares, self.steps)
+
+    def reference_key(self) -> tuple:
+        """What the fault-free losses depend on (not spares, timeouts or restarts)."""
+        return (self.nodes, self.nproc_per_node, self.steps, self.model, self.seed, self.corpus_mb)
+
+
+@dataclass(frozen=True)
+class Expect:
+    """Expectations; ``None`` = not checked. ``lost_steps`` and ``recoveries`` are maxima."""
+
+    completes: bool = True
+    bitwise_equal: bool | None = None
+    lost_steps: int | None = None
+    max_recovery_s: float | None = None  # every fault's fault -> next commit
+    min_goodput: float | None = None
+    recoveries: int | None = None  # new generations after a failure (0: the fault was absorbed)
+    error_contains: str | None = None  # in the faulted job's output (for completes: false)
+
+
+@dataclass(frozen=True)
+class Scenario:
+    name: str
+    job: JobSpec
+    faults: list[FaultSpec]
+    expect: Expect
+    description: str = ""
+    source: str | None = None
+
+
+_MINIMUM = {"nodes": 1, "nproc_per_node": 1, "spares": 0, "steps": 2, "seed": 0, "max_restarts": 0, "corpus_mb": 1,
+            "hang_timeout_s": 0.1, "timeout_s": 1.0}
+_SCALARS = {"bool": bool, "int": int, "float": float, "str": str}
+
+
+def _typed(cls: type, raw: Any, key: str) -> Any:
+    """Build dataclass ``cls`` from mapping ``raw``: unknown keys, wrong types and values out of
+    range are errors naming the key."""
+    if not isinstance(raw, dict):
+        raise ScenarioError(key, f"must be a mapping, got {type(raw).__name__}")
+    types = {f.name: f.type for f in fields(cls)}
+    out = {}
+    for k, v in raw.items():
+        if k not in types:
+            raise ScenarioError(f"{key}.{k}", f"unknown key; keys: {sorted(types)}")
+        want = _SCALARS[str(types[k]).split(" | ")[0]]
+        if v is None and str(types[k]).endswith("| None"):
+            out[k] = v
+            continue
+        if want is float and type(v) is int:
+            v = float(v)
+        if type(v) is not want:
+            raise ScenarioError(f"{key}.{k}", f"must be {want.__name__}, got {v!r}")
+        if k in _MINIMUM and v < _MINIMUM[k]:
+            raise ScenarioError(f"{key}.{k}", f"must be >= {_MINIMUM[k]}, got {v!r}")
+        out[k] = v
+    return cls(**out)
+
+
+def parse_scenario(raw: Any, source: str | None = None) -> Scenario:
+    from hp.chaos.faults import fault_kinds
+
+    if not isinstance(raw, dict):
+        raise ScenarioError("(top level)", f"a scenario is a mapping with name, job, faults, expect; "
+                                           f"got {type(raw).__name__}")
+    for k in raw:
+        if k not in ("name", "description", "job", "faults", "expect"):
+            raise ScenarioError(k, "unknown key; keys: description, expect, faults, job, name")
+    name = raw.get("name")
+    if not isinstance(name, str) or not name.strip():
+        raise ScenarioError("name", f"must be a non-empty string, got {name!r}")
+    job = _typed(JobSpec, raw.get("job", {}), "job")
+    from hp.checkpointless.demo.model import MODEL_SIZES
+
+    if job.model not in MODEL_SIZES:
+        raise ScenarioError("job.model", f"must be one of {sorted(MODEL_SIZES)}, got {job.model!r}")
+    raw_faults = raw.get("faults")
+    if not isinstance(raw_faults, list) or not raw_faults:
+        raise ScenarioError("faults", "must be a non-empty list of faults")
+    kinds = fault_kinds()
+    specs = []
+    for i, f in enumerate(raw_faults):
+        key = f"faults[{i}]"
+        if not isinstance(f, dict):
+            raise ScenarioError(key, f"must be a mapping, got {f!r}")
+        if f.get("kind") not in kinds:
+            raise ScenarioError(f"{key}.kind", f"unknown fault kind {f.get('kind')!r}; kinds: {sorted(kinds)}")
+        specs.append(kinds[f["kind"]].validate(f, key, i, job.shape))
+    expect = _typed(Expect, raw.get("expect", {}), "expect")
+    if expect.max_recovery_s is not None and expect.max_recovery_s <= 0:
+        raise ScenarioError("expect.max_recovery_s", f"must be > 0, got {expect.max_recovery_s}")
+    if expect.lost_steps is not None and expect.lost_steps < 0:
+        raise ScenarioError("expect.lost_steps", f"must be >= 0, got {expect.lost_steps}")
+    if expect.min_goodput is not None and not 0 < expect.min_goodput <= 1:
+        raise ScenarioError("expect.min_goodput", f"must be in (0, 1], got {expect.min_goodput}")
+    description = raw.get("description", "")
+    if not isinstance(description, str):
+        raise ScenarioError("description", "must be a string")
+    return Scenario(name.strip(), job, specs, expect, description.strip(), source)
+
+
+def load_scenario(path: str | os.PathLike) -> Scenario:
+    """Read and validate a scenario file (YAML, or JSON which is YAML too)."""
+    path = os.fspath(path)
+    try:
+        with open(path) as f:
+            raw = yaml.safe_load(f)
+    except OSError as e:
+        raise ScenarioError("(file)", f"{e.strerror}: {path}") from None
+    except yaml.YAMLError as e:
+        raise ScenarioError("(file)", f"not valid YAML: {str(e).splitlines()[0]}") from None
+    return parse_scenario(raw, source=path)
