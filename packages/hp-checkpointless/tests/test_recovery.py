@@ -64,7 +64,8 @@ def assert_identical(reference: RunResult, result: RunResult) -> None:
         verdict, reference.losses(), result.losses())
 
 
-@pytest.mark.parametrize("phase, rank", [("forward", 1), ("allreduce", 2), ("commit", 3), ("optimizer", 1)])
+@pytest.mark.parametrize("phase, rank", [("forward", 1), ("backward", 2), ("allreduce", 2), ("commit", 3),
+                                         ("optimizer", 1)])
 def test_killed_rank_is_replaced_by_the_spare(reference, job_env, tmp_path, phase, rank):
     result, logs = faulted(tmp_path, job_env, [{"at_step": AT, "phase": phase, "kind": "kill", "rank": rank}], spares=1)
     assert_identical(reference, result)
@@ -150,3 +151,45 @@ def test_a_replaced_process_of_an_old_generation_is_fenced_out(job_env, tmp_path
     result = RunResult(0, 0.0, read_events(str(log_dir / "events")), "")
     assert sorted(result.losses()) == list(range(150))
     assert all(len(v) == 1 for v in result.losses().values())  # nothing committed twice
+
+
+# ---- sharded optimizer state (torch ZeroRedundancyOptimizer, buddy replicas) -----------------------
+ZERO = ["--zero"]
+
+
+def test_sharded_optimizer_trains_bit_identically_to_replicated(reference, job_env, tmp_path):
+    """ZeRO-1 only changes where optimizer state lives: the fault-free losses are the same bits."""
+    result = run_job(config(spares=0, train_args=ZERO), str(tmp_path / "logs"), [], job_env)
+    assert result.returncode == 0, result.output[-3000:]
+    assert_identical(reference, result)
+
+
+@pytest.mark.parametrize("phase, rank, rolled_forward", [
+    ("forward", 1, False),  # before the vote: the buddy's copy is at the last committed step
+    ("optimizer", 2, True),  # after the vote, before its shard update: the buddy re-runs it from one step back
+])
+def test_a_lost_shard_is_rebuilt_from_the_buddy(reference, job_env, tmp_path, phase, rank, rolled_forward):
+    result, logs = faulted(tmp_path, job_env, [{"at_step": AT, "phase": phase, "kind": "kill", "rank": rank}],
+                           spares=1, train_args=ZERO)
+    assert_identical(reference, result)
+    assert "promote_spare" in decisions(logs)
+    rebuilt = [e for e in result.events if e["event"] == "shard_rebuilt"]
+    assert [(e["rank"], e["buddy"], e["rolled_forward"]) for e in rebuilt] == [(rank, (rank + 1) % 4, rolled_forward)]
+    assert rebuilt[0]["step"] == (AT if phase == "optimizer" else AT - 1)
+
+
+def test_sharded_job_survives_an_exception_and_a_restarted_process(reference, job_env, tmp_path):
+    faults = [{"at_step": AT - 2, "phase": "backward", "kind": "exception", "rank": 3},
+              {"at_step": AT, "phase": "allreduce", "kind": "kill", "rank": 0}]
+    result, logs = faulted(tmp_path, job_env, faults, spares=0, max_restarts=1, train_args=ZERO)
+    assert_identical(reference, result)
+    assert "restart_worker" in decisions(logs)
+    assert [e["rank"] for e in result.events if e["event"] == "shard_rebuilt"] == [0]
+
+
+def test_a_shard_lost_with_its_buddy_stops_the_job_naming_it(job_env, tmp_path):
+    faults = [{"at_step": AT, "phase": "forward", "kind": "kill", "rank": r} for r in (1, 2)]
+    result = run_job(config(spares=2, train_args=ZERO), str(tmp_path / "logs"), faults, job_env)
+    assert result.returncode != 0
+    assert "optimizer shard of rank 1 at step 4 is lost: its buddy rank 2 holds nothing" in result.output, \
+        result.output[-3000:]

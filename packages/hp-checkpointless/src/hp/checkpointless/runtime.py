@@ -13,14 +13,15 @@ from __future__ import annotations
 import os
 import signal
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.optim import ZeroRedundancyOptimizer
 
-from hp.checkpointless import membership, state
+from hp.checkpointless import membership, sharded, state
 from hp.checkpointless.rng import capture_rng, restore_rng
 from hp.checkpointless.events import EventLog
 from hp.checkpointless.faults import FaultPlan
@@ -91,8 +92,11 @@ class Context:
         self._model: torch.nn.Module | None = None
         self._optimizer: torch.optim.Optimizer | None = None
         self._scheduler: Any = None
+        self._factories: tuple[Callable | None, Callable | None] | None = None  # built once a group exists
+        self._sharded: sharded.ShardedOptimizer | None = None
         self._extra: Any = None
         self._grads: torch.Tensor | None = None  # one flat buffer, allocated once
+        self._grads_step = -1  # the step whose averaged gradients `_grads` holds
         self._vote = torch.zeros(2, dtype=torch.float64)
         self._agree: torch.Tensor | None = None
         self._rng: dict | None = None
@@ -122,12 +126,51 @@ class Context:
     def device(self) -> torch.device:
         return torch.device(self._transport.device_for(int(os.environ.get("LOCAL_RANK", "0"))))
 
-    def register(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
+    @property
+    def optimizer(self) -> torch.optim.Optimizer | None:
+        """The registered optimizer (built by its factory once the first process group exists)."""
+        return self._optimizer
+
+    @property
+    def scheduler(self) -> Any:
+        return self._scheduler
+
+    def register(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | Callable | None = None,
                  scheduler: Any = None, extra: Any = None) -> None:
         """Declare the training state hp keeps consistent and copies to a replacement rank.
+
+        ``optimizer`` may be a factory ``f(params) -> Optimizer`` (and then ``scheduler`` a factory
+        ``g(optimizer)``): it is called once this process is in a process group, which a
+        ``torch.distributed.optim.ZeroRedundancyOptimizer`` needs (a hot spare has none before it gets a
+        rank); use ``ctx.optimizer``/``ctx.scheduler`` afterwards. A ZeroRedundancyOptimizer's shards are
+        replicated to a buddy rank after every step (:mod:`hp.checkpointless.sharded`).
         ``extra``: anything with ``state_dict()``/``load_state_dict()`` returning JSON-able data."""
+        if callable(optimizer) and not isinstance(optimizer, torch.optim.Optimizer):
+            self._factories, optimizer = (optimizer, scheduler), None
+            scheduler = None
+        elif callable(scheduler) and not hasattr(scheduler, "state_dict"):
+            raise UsageError("a scheduler factory needs an optimizer factory: pass optimizer=lambda params: ...")
         self._model, self._optimizer, self._scheduler, self._extra = model, optimizer, scheduler, extra
+        if isinstance(optimizer, ZeroRedundancyOptimizer):
+            raise UsageError("pass a ZeroRedundancyOptimizer as a factory (optimizer=lambda params: "
+                             "ZeroRedundancyOptimizer(params, ...)): hp builds it once the process group exists")
+        trainable = [p for p in model.parameters() if p.requires_grad]
+        if trainable:  # the "backward" fault phase fires while the first parameter's gradient is accumulated
+            trainable[0].register_post_accumulate_grad_hook(self._on_backward)
         self._rng = capture_rng()
+
+    def _on_backward(self, _param: torch.Tensor) -> None:
+        if self._step is not None and self._interruptible:
+            self._phase(self._step, "backward")
+
+    def _build_optimizer(self) -> None:
+        make_optimizer, make_scheduler = self._factories
+        self._factories = None
+        self._optimizer = make_optimizer(list(self._model.parameters()))
+        self._scheduler = make_scheduler(self._optimizer) if make_scheduler is not None else None
+        if isinstance(self._optimizer, ZeroRedundancyOptimizer):
+            self._sharded = sharded.ShardedOptimizer(
+                self._optimizer, [p for p in self._model.parameters() if p.requires_grad])
 
     def steps(self, total: int) -> Iterator[Step]:
         """Yield steps from the first uncommitted one to ``total - 1``; a step that failed is
@@ -163,6 +206,7 @@ class Context:
         grads = self._flat_grads(params)
         self._collective(dist.all_reduce, grads)
         grads.div_(self.world_size)
+        self._grads_step = int(step)
         self._unflatten_grads(params, grads)
         self._phase(step, "commit")
         vote = self._vote
@@ -172,8 +216,11 @@ class Context:
             raise CollectiveError(f"commit vote of step {step}: {int(vote[0])}/{self.world_size}")
         # committed: from here on, survivors finish the step whatever happens to peers
         self._phase(step, "optimizer")
-        if self._optimizer is not None:
+        if self._sharded is not None:
+            self._sharded.local_step(int(step))
+        elif self._optimizer is not None:
             self._optimizer.step()
+        if self._optimizer is not None:
             self._optimizer.zero_grad(set_to_none=False)
         if self._scheduler is not None:
             self._scheduler.step()
@@ -182,11 +229,27 @@ class Context:
         self._rng = capture_rng()
         self.events.record("commit", step=int(step), rank=self._rank, generation=self.generation,
                            loss=self.last_loss.hex())
+        if self._sharded is not None:
+            failure = self._share_shards()
+            if failure is not None:  # the step is committed here; only peers' copies need repair
+                self._recover(step, failure)
         return self.last_loss
+
+    def _share_shards(self) -> CollectiveError | None:
+        """Sharded optimizer, after the local update: owners broadcast their partitions, then every
+        shard is copied to its buddy. Returns the failure instead of raising it, outside any frame
+        of the failed collective (see ``_collective``)."""
+        try:
+            self._collective(self._sharded.sync_params)
+            self._sharded.replicate(self._rank, self._collective)
+        except CollectiveError as e:
+            return e
+        return None
 
     # ---- step protocol internals --------------------------------------------------------
     def _flat_grads(self, params: list[torch.Tensor]) -> torch.Tensor:
         total = sum(p.numel() for p in params)
+        self._grads_step = -1
         if self._grads is None or self._grads.numel() != total:
             self._grads = torch.zeros(total, dtype=params[0].dtype)
         offset = 0
@@ -211,14 +274,14 @@ class Context:
                 p.grad.copy_(view)
             offset += n
 
-    def _collective(self, fn, tensor: torch.Tensor) -> None:
+    def _collective(self, fn: Callable, *args: Any) -> None:
         if self._latest > self.generation:
             raise CollectiveError(f"generation {self.generation} superseded by {self._latest}")
         try:
-            fn(tensor)
+            fn(*args)
             return
-        except (RuntimeError, ValueError) as e:  # gloo errors, or the group was destroyed under us
-            error = f"{fn.__name__} failed in generation {self.generation}: {e}"
+        except (RuntimeError, ValueError) as e:  # gloo errors, state transfer errors, a destroyed group
+            error = f"{getattr(fn, '__name__', 'transfer')} failed in generation {self.generation}: {e}"
         # raised outside the except block: the torch frames of the failed call (which hold the
         # process group) are gone, so destroying the group really closes its sockets
         raise CollectiveError(error)
@@ -328,16 +391,32 @@ class Context:
             self._pg_live = True
         self.world_size = plan.world_size
         self.events.record("pg_ready", generation=plan.generation, rank=self._rank)
-        steps = self._agree = torch.zeros(plan.world_size, dtype=torch.int64)  # kept: see _release_pg
-        steps[self._rank] = self.committed
-        self._collective(dist.all_reduce, steps)
-        newest = int(steps.max())
-        source = int((steps == newest).nonzero()[0])
-        for behind in (r for r in range(plan.world_size) if steps[r] < newest):
+        if self._factories is not None:
+            self._build_optimizer()
+        if self._sharded is not None:
+            self._sharded.rebind(self._rank, plan.world_size)
+        # every rank's committed step (row 0) and, with a sharded optimizer, its shard versions (rows 1-3)
+        info = self._agree = torch.zeros(4, plan.world_size, dtype=torch.int64)  # kept: see _release_pg
+        sh = self._sharded
+        info[:, self._rank] = torch.tensor([self.committed, sh.version if sh else -1,
+                                            sh.replica_version if sh else -1, self._grads_step])
+        self._collective(dist.all_reduce, info)
+        newest = int(info[0].max())
+        source = int((info[0] == newest).nonzero()[0])
+        behind = [r for r in range(plan.world_size) if info[0, r] < newest]
+        if sh is None:
+            self._hydrate(behind, source, newest, plan.generation)
+        else:
+            self._hydrate_sharded(sharded.Versions(*info.tolist()), behind, source, newest, plan.generation)
+        self.events.record("resumed", rank=self._rank, step=self.committed, generation=plan.generation)
+
+    def _hydrate(self, behind: list[int], source: int, newest: int, generation: int) -> None:
+        """Replicated state: the ranks behind pull everything from the source."""
+        for r in behind:
             if self._rank == source:
                 self._phase(newest, "hydration")
-                state.send_state(self._capture(), behind)
-            elif self._rank == behind:
+                state.send_state(self._capture(), r)
+            elif self._rank == r:
                 # in place into our own tensors when the layouts match; a fresh process's optimizer
                 # has no state yet, so it receives into a new buffer the optimizer then keeps
                 has_state = self._optimizer is None or bool(self._optimizer.state)
@@ -345,10 +424,68 @@ class Context:
                 extra = state.restore(received, self._model, self._optimizer, self._scheduler)
                 if self._extra is not None and extra:
                     self._extra.load_state_dict(extra)
-                self.committed, self._rng = newest, capture_rng()
-                self.events.record("hydrated", rank=self._rank, step=newest, source=source,
-                                   generation=plan.generation)
-        self.events.record("resumed", rank=self._rank, step=self.committed, generation=plan.generation)
+                self._hydrated(newest, source, generation)
+
+    def _hydrate_sharded(self, v: sharded.Versions, behind: list[int], source: int, newest: int,
+                         generation: int) -> None:
+        """Sharded optimizer: shards come from buddies (rolled forward where one step old), the
+        replicated rest from the source, partitions from their owners; then shards are re-replicated."""
+        sh = self._sharded
+        try:
+            rebuild = sharded.plan_shard_sources(v, newest)
+        except sharded.ShardLost as e:
+            self._report("unrecoverable", str(e))
+            raise JobEnded(f"hp: {e}") from None
+        if sharded.own_roll_forward_needed(v, self._rank, newest):  # missed the vote of `newest` only
+            params = [p for p in self._model.parameters() if p.requires_grad]
+            self._unflatten_grads(params, self._grads)
+            sh.local_step(newest)
+            self._optimizer.zero_grad(set_to_none=False)
+            self.events.record("shard_rebuilt", rank=self._rank, step=newest, buddy=None, rolled_forward=True,
+                               generation=generation)
+        for r, buddy in sorted(rebuild.items()):
+            if self._rank == buddy:
+                self._phase(newest, "hydration")
+                sh.send_for_replacement(r, v, newest, self._grads if self._grads_step == newest else None)
+            elif self._rank == r:
+                rolled = sh.receive_as_replacement(buddy, newest)
+                self.events.record("shard_rebuilt", rank=r, step=newest, buddy=buddy, rolled_forward=rolled,
+                                   generation=generation)
+        for r in behind:
+            if self._rank == source:
+                if r not in rebuild:
+                    self._phase(newest, "hydration")
+                state.send_state(self._replicated_state(), r)
+            elif self._rank == r:
+                self._load_replicated_state(state.recv_state(source))
+                self._hydrated(newest, source, generation)
+        self._collective(sh.sync_params)
+        sh.replicate(self._rank, self._collective)
+
+    def _replicated_state(self) -> dict:
+        """What is the same on every rank of a sharded job (partitions and shards travel separately)."""
+        return {"buffers": dict(self._model.named_buffers()), "rng": capture_rng(),
+                "hyper": sharded.hyper(self._optimizer.param_groups),
+                "scheduler": self._scheduler.state_dict() if self._scheduler is not None else None,
+                "extra": self._extra.state_dict() if self._extra is not None else None}
+
+    def _load_replicated_state(self, received: dict) -> None:
+        buffers = dict(self._model.named_buffers())
+        if set(buffers) != set(received["buffers"]):
+            raise state.StateTransferError("the source's model buffers differ from this model's")
+        with torch.no_grad():
+            for name, buf in received["buffers"].items():
+                buffers[name].copy_(buf)
+        sharded.set_hyper(self._optimizer.param_groups, received["hyper"])
+        if self._scheduler is not None:
+            self._scheduler.load_state_dict(received["scheduler"])
+        if self._extra is not None and received["extra"]:
+            self._extra.load_state_dict(received["extra"])
+        restore_rng(received["rng"])
+
+    def _hydrated(self, newest: int, source: int, generation: int) -> None:
+        self.committed, self._rng = newest, capture_rng()
+        self.events.record("hydrated", rank=self._rank, step=newest, source=source, generation=generation)
 
     def _capture(self) -> dict:
         extra = self._extra.state_dict() if self._extra is not None else None

@@ -9,6 +9,7 @@ import argparse
 
 import torch
 import torch.nn.functional as F
+from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from hp.checkpointless import recoverable
 from hp.checkpointless.data import Batches, TokenCache, synthetic_corpus, tokenize
@@ -25,6 +26,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dropout", type=float, default=0.1)
     p.add_argument("--corpus-mb", type=int, default=16)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--zero", action="store_true",
+                   help="shard the optimizer state (torch ZeroRedundancyOptimizer) instead of replicating it")
     return p.parse_args(argv)
 
 
@@ -38,9 +41,15 @@ def main(ctx) -> None:
 
     torch.manual_seed(args.seed)
     model = build_model(args.model_size, args.vocab, args.seq, args.dropout)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=args.steps)
-    ctx.register(model, optimizer, scheduler)
+    def make_scheduler(optimizer):
+        return torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=args.steps)
+
+    if args.zero:  # built by hp once the process group exists (a spare has none yet)
+        ctx.register(model, lambda params: ZeroRedundancyOptimizer(params, torch.optim.AdamW, lr=3e-3),
+                     make_scheduler)
+    else:
+        optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+        ctx.register(model, optimizer, make_scheduler(optimizer))
 
     for step in ctx.steps(args.steps):
         with step:
