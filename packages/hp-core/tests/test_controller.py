@@ -178,3 +178,77 @@ def test_a_report_from_a_replaced_process_is_refused():
     with pytest.raises(Refused, match="stale holder 'r4.0'"):
         c.handle("worker_failed", {"node_rank": 1, "generation": 2, "rank": 4, "holder": "r4.0", "exitcode": 1})
     assert sorted(c.free_spares) == ["n0s0"]
+
+
+# ---- node loss -------------------------------------------------------------------------------
+def test_a_lost_node_s_ranks_go_to_spares_on_survivors_in_one_generation():
+    published = []
+    c, clock = running(nproc=2, spares=2, published=published, heartbeat_timeout_s=5)
+    clock.now += 4
+    c.handle("heartbeat", {"node_rank": 0, "generation": 1})
+    clock.now += 2  # node 1 silent for 6 s
+    c.check_liveness()
+    assert c.state is JobState.RUNNING and c.generation == 2  # one bump for the whole node
+    assert c.members == {0: 0, 1: 0, 2: 0, 3: 0}
+    assert (c.holders[2], c.holders[3]) == ("spare.n0s0", "spare.n0s1")
+    assert c.free_spares == {}  # node 1's own spares died with it
+    beat = c.handle("heartbeat", {"node_rank": 0, "generation": 1})
+    assert beat["promotions"] == [{"spare": "n0s0", "rank": 2, "generation": 2},
+                                  {"spare": "n0s1", "rank": 3, "generation": 2}]
+    plan = json.loads(dict(published)["hp/plan/2"])
+    assert plan["why"] == "node_lost" and plan["world_size"] == 4
+    assert json.loads(dict(published)["hp/spare/n0s1"]) == {"rank": 3, "generation": 2}
+    # the lost node is refused from now on, whatever it asks: its agent fences itself
+    with pytest.raises(Refused) as e:
+        c.handle("heartbeat", {"node_rank": 1, "generation": 2})
+    assert e.value.status == 410 and "node 1 was declared lost" in e.value.message
+    c.check_liveness()
+    assert c.generation == 2  # lost once, not again at every check
+    c.handle("node_done", {"node_rank": 0, "generation": 2})
+    assert c.state is JobState.SUCCEEDED  # a lost node is not waited for
+
+
+def test_a_lost_node_without_enough_spares_on_survivors_fails_the_job_naming_it():
+    c, clock = running(nproc=2, spares=1, heartbeat_timeout_s=5)
+    clock.now += 4
+    c.handle("heartbeat", {"node_rank": 0, "generation": 1})
+    clock.now += 2
+    c.check_liveness()
+    assert c.state is JobState.FAILED
+    assert c.reason == ("node 1 (h1) lost: no heartbeat for 6.0 s; its ranks [2, 3] need 2 spare(s) "
+                        "on the surviving nodes, 1 free")
+
+
+def test_the_lost_node_address_is_reported_and_told_to_survivors():
+    c = Controller(ControllerConfig(nnodes=2, heartbeat_timeout_s=5), clock=(clock := Clock()))
+    for n in range(2):
+        c.handle("join", {"node_rank": n, "nproc": 1, "host": "h", "spares": 1, "address": f"10.0.0.{n + 1}"})
+    clock.now += 6
+    c.handle("heartbeat", {"node_rank": 0, "generation": 1})  # refreshed just before the check
+    c.check_liveness()
+    assert "node 1 (h 10.0.0.2)" in c.decisions[-1]["cause"]
+    assert c.handle("heartbeat", {"node_rank": 0, "generation": 2})["lost"] == ["10.0.0.2"]
+    with pytest.raises(Refused, match="'address' must be str"):
+        Controller(ControllerConfig(nnodes=1)).handle("join", {"node_rank": 0, "nproc": 1, "host": "h", "address": 5})
+
+
+# ---- spare replenishment ---------------------------------------------------------------------
+def test_an_added_spare_is_free_for_the_next_failure():
+    c, _ = running(spares=1)
+    c.handle("worker_failed", {"node_rank": 1, "generation": 1, "rank": 4, "signal": "SIGKILL"})  # takes n1s0
+    assert c.handle("spare_added", {"node_rank": 1, "spare": "n1s1"}) == {"free_spares": 2}
+    d = c.handle("worker_failed", {"node_rank": 1, "generation": 2, "rank": 5, "signal": "SIGKILL"})
+    assert d["action"] == "promote_spare" and d["spare"] == "n1s1"
+    assert [x["decision"] for x in c.decisions].count("spare_added") == 1
+
+
+@pytest.mark.parametrize("spare, status, message", [
+    ("n0s5", 400, "must look like n1s<k>"),  # another node's id
+    ("n1sx", 400, "must look like n1s<k>"),
+    ("n1s0", 409, "already used"),  # ids are never reused: a store key per spare is final
+])
+def test_a_bad_added_spare_is_refused(spare, status, message):
+    c, _ = running(spares=1)
+    with pytest.raises(Refused) as e:
+        c.handle("spare_added", {"node_rank": 1, "spare": spare})
+    assert e.value.status == status and message in e.value.message

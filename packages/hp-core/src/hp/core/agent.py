@@ -3,13 +3,22 @@
 It joins the job through the controller (hosting it on node 0 unless the controller is external),
 spawns this node's workers, watches them and heartbeats. A dead worker is *reported*; the
 controller decides (restart that worker only, or stop the job) and healthy workers keep running.
+
+Node loss: an agent that gets no answer from the controller for ``RunConfig.fence_after_s`` (two
+heartbeats less than the controller's timeout) *fences itself*: it SIGKILLs its workers and spares
+and exits 1, so that no rank of a cut-off node keeps training in a generation the job has left.
+The controller gives the ranks of a silent node to spares on the other nodes; their agents cut
+every TCP connection to the lost node's address (``ss -K``, where permitted), which releases
+survivors blocked in a collective with it now rather than at the process group's timeout.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
+import subprocess
 import sys
 import tempfile
 import time
@@ -47,6 +56,10 @@ class JobFailed(HpError):
     """The controller stopped the job; the message says which rank failed and why."""
 
 
+class Fenced(HpError):
+    """This node lost the controller for longer than its lease: it must stop its workers."""
+
+
 def _raise_signal(signum: int, frame: object) -> None:
     raise SignalException(f"received {signal.Signals(signum).name}", sigval=signal.Signals(signum))
 
@@ -67,6 +80,11 @@ class Agent:
         self._server: ControlServer | None = None
         self._store: StoreServer | None = None
         self._done_reported = False
+        self._last_ok = time.monotonic()  # send time of the last request the controller answered
+        self._address = ""  # this node's address as the controller sees it
+        self._cut: set[str] = set()  # lost nodes' addresses whose connections were cut
+        self._next_spare = config.spares  # index of the next replacement spare's id
+        self._client: ControlClient | None = None
 
     # ---- lifecycle ----------------------------------------------------------------------
     def run(self) -> int:
@@ -82,6 +100,10 @@ class Agent:
             self._tell_stopping(e.sigval.name)
             say(f"stopped by {e.sigval.name}; workers were sent {e.sigval.name}")
             return 128 + int(e.sigval)
+        except Fenced as e:
+            self._stop_workers(signal.SIGKILL)  # now: they must not commit another step
+            say(f"node {self.cfg.node_rank} fenced itself: {e}; its workers were killed")
+            return 1
         except JobFailed as e:
             self._stop_workers(signal.SIGTERM)
             say(f"job failed: {e}")
@@ -100,10 +122,13 @@ class Agent:
     def _connect(self) -> ControlClient:
         if self.cfg.hosts_controller:
             self._host_controller()
+            self._address = self.cfg.controller_endpoint.host
             say(f"controller at {self._server.endpoint}, store at {self._store.host}:{self._store.port}, "
                 f"logs in {self.log_dir}")
             return ControlClient(self._server.endpoint, self.token)
-        return ControlClient(str(self.cfg.controller_endpoint), self.token)
+        ep = self.cfg.controller_endpoint
+        self._address = local_address(ep.host, ep.port)
+        return ControlClient(str(ep), self.token)
 
     def _host_controller(self) -> None:
         ep = self.cfg.controller_endpoint
@@ -137,17 +162,18 @@ class Agent:
     def _rendezvous(self, client: ControlClient) -> Assignment:
         me = {"node_rank": self.cfg.node_rank}
         self._call_until(client, "join", {**me, "nproc": self.cfg.nproc_per_node, "spares": self.cfg.spares,
-                                           "host": socket.gethostname()},
+                                           "host": socket.gethostname(), "address": self._address},
                          lambda a: True, "joining the controller")
         a = self._call_until(client, "rendezvous", me, lambda a: a["state"] != "rendezvous", "rendezvous")
         if a["state"] != "running":
             raise JobFailed(a.get("reason") or f"job is {a['state']}")
         self.generation = a["generation"]
+        self._last_ok = time.monotonic()
         return Assignment(a["generation"], a["world_size"], a["rank_offset"], a["store_host"], a["store_port"])
 
     # ---- workers ------------------------------------------------------------------------
     def _start_workers(self, a: Assignment) -> None:
-        command = python_command(self.cfg.entrypoint, self.cfg.args, self.cfg.module)
+        command = self._command = python_command(self.cfg.entrypoint, self.cfg.args, self.cfg.module)
         self._assignment = a
         os.makedirs(os.path.join(self.log_dir, "heartbeats"), exist_ok=True)
         tee = Std(self.cfg.tee)
@@ -204,6 +230,9 @@ class Agent:
 
     # ---- monitoring ---------------------------------------------------------------------
     def _monitor(self, client: ControlClient) -> int:
+        # requests while running must fail fast enough for the fencing deadline to hold
+        client = self._client = ControlClient(client.endpoint, self.token,
+                                              timeout_s=min(10.0, max(0.5, self.cfg.fence_after_s / 4)))
         next_beat = 0.0
         while True:
             for w in list(self.workers):
@@ -224,6 +253,7 @@ class Agent:
                 self.generation = max(self.generation, beat["generation"])
                 for promotion in beat.get("promotions", []):
                     self._promote(promotion)
+                self._cut_lost(beat.get("lost", []))
                 if beat["state"] == "failed":
                     raise JobFailed(beat["reason"])
                 if beat["state"] == "succeeded":
@@ -243,15 +273,21 @@ class Agent:
     def _call(self, client: ControlClient, verb: str, payload: dict, fenced: bool = False) -> dict:
         """One request stamped with this node and generation. A stale-generation refusal is
         answered by catching up to the controller's generation and asking again, once; an
-        unreachable controller is retried for up to the heartbeat timeout."""
-        deadline = time.monotonic() + self.cfg.heartbeat_timeout_s
+        unreachable controller is retried until this node's lease ends (then :class:`Fenced`)."""
         caught_up = False
         while True:
+            sent = time.monotonic()
             try:
-                return client.call(verb, {**payload, "node_rank": self.cfg.node_rank, "generation": self.generation})
+                answer = client.call(verb, {**payload, "node_rank": self.cfg.node_rank, "generation": self.generation})
+                self._last_ok = max(self._last_ok, sent)
+                return answer
             except ControlPlaneError as e:
-                if not e.status and time.monotonic() < deadline:
-                    time.sleep(0.2)
+                if not e.status:
+                    silent = time.monotonic() - self._last_ok
+                    if silent > self.cfg.fence_after_s:
+                        raise Fenced(f"no answer from the controller at {client.endpoint} for {silent:.1f} s "
+                                     f"(lease {self.cfg.fence_after_s:g} s, generation {self.generation}): {e}") from None
+                    time.sleep(min(0.2, self.cfg.heartbeat_interval_s))
                     continue
                 if fenced and not caught_up and e.status == 409 and "generation" in e.body:
                     self.generation, caught_up = e.body["generation"], True
@@ -290,6 +326,33 @@ class Agent:
         self.workers.append(spare)
         say(f"spare {spare.spare_id} (pid {spare.pid}) now holds rank {spare.rank} "
             f"(generation {promotion['generation']})")
+        if self.cfg.replenish_spares:
+            self._add_spare()
+
+    def _add_spare(self) -> None:
+        """Replace a promoted spare: a new process with a never-used id, registered as free."""
+        sid = spare_id(self.cfg.node_rank, self._next_spare)
+        self._next_spare += 1
+        w = Worker(-1, -1, self._command, self.log_dir, Std(self.cfg.tee), spare_id=sid, holder=spare_holder(sid))
+        w.start(self._worker_env(w))
+        self.spares.append(w)
+        self._call(self._client, "spare_added", {"spare": sid})
+        say(f"started spare {sid} (pid {w.pid}) to replace the promoted one")
+
+    def _cut_lost(self, addresses: list[str]) -> None:
+        """Cut this node's TCP connections to lost nodes: a survivor blocked in a collective with
+        a partitioned peer (whose packets vanish) is released now instead of at the group's timeout."""
+        for address in addresses:
+            if address in self._cut or address in (self._address, self.cfg.controller_endpoint.host) \
+                    or address.startswith("127.") or address == "::1":
+                continue  # never our own or a loopback address (nodes sharing one host)
+            self._cut.add(address)
+            if shutil.which("ss") is None:
+                say(f"lost node {address}: `ss` missing, survivors wait for the process group timeout")
+                continue
+            done = subprocess.run(["ss", "-K", "dst", address], capture_output=True, text=True)
+            say(f"lost node {address}: cut this node's connections to it"
+                if done.returncode == 0 else f"lost node {address}: could not cut connections: {done.stderr.strip()}")
 
     def _tell_stopping(self, why: str) -> None:
         try:
@@ -297,3 +360,14 @@ class Agent:
                 "node_stopping", {"node_rank": self.cfg.node_rank, "generation": self.generation, "reason": why})
         except ControlPlaneError:
             pass  # the controller may be gone already; stopping goes on regardless
+
+
+def local_address(host: str, port: int) -> str:
+    """The address this host uses to reach ``host`` (no packet is sent: a UDP connect only routes)."""
+    try:
+        family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        with socket.socket(family, socket.SOCK_DGRAM) as s:
+            s.connect((host, port or 9))
+            return s.getsockname()[0]
+    except OSError:
+        return ""

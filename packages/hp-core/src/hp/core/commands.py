@@ -44,7 +44,9 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
     a("--max-restarts", "--max_restarts", type=int, default=0, help="worker restarts the job tolerates")
     a("--monitor-interval", "--monitor_interval", type=float, default=0.1, help="seconds between worker polls")
     a("--heartbeat-interval", type=float, default=1.0, help="seconds between agent heartbeats")
-    a("--heartbeat-timeout", type=float, default=30.0, help="seconds of silence before a node counts as lost")
+    a("--heartbeat-timeout", type=float, default=30.0,
+      help="seconds of silence before a node counts as lost (its ranks go to spares on other nodes); "
+           "an agent cut off from the controller kills its workers two heartbeats earlier")
     a("--hang-timeout", type=float, default=30.0,
       help="kill a worker whose hp heartbeat is silent this long (0: never)")
     a("--rdzv-timeout", type=float, default=300.0, help="seconds to wait for every node to join")
@@ -52,6 +54,9 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
     a("--tee", type=int, default=3, help="streams echoed with a [rankN]: prefix: 0 none, 1 out, 2 err, 3 both")
     a("--spares", type=int, default=0,
       help="hot spare processes on this node, given a failed rank (scripts using hp.checkpointless)")
+    a("--replenish-spares", action=argparse.BooleanOptionalAction, default=False,
+      help="start a new spare each time one of this node's spares takes a rank (default off: the "
+           "new process's start competes for CPU with the ranks replaying the failed step)")
     a("--transport", default="gloo", help="collective transport plugin (see `hp backends`)")
     a("--store", default="tcp", help="coordination store plugin")
     a("--run-id", default=None, help="job id shared by every node (default: random)")
@@ -72,7 +77,8 @@ def _run(args: argparse.Namespace) -> int:
         external_controller=args.external_controller, max_restarts=args.max_restarts,
         monitor_interval_s=args.monitor_interval, heartbeat_interval_s=args.heartbeat_interval,
         heartbeat_timeout_s=args.heartbeat_timeout, hang_timeout_s=args.hang_timeout, rdzv_timeout_s=args.rdzv_timeout,
-        log_dir=args.log_dir, tee=args.tee, spares=args.spares, transport=args.transport, store=args.store,
+        log_dir=args.log_dir, tee=args.tee, spares=args.spares,
+        replenish_spares=args.replenish_spares, transport=args.transport, store=args.store,
     )
     if args.run_id:
         cfg.run_id = args.run_id

@@ -61,6 +61,9 @@ class RunConfig:
     log_dir: str | None = None
     tee: int = 3  # torch.distributed.elastic Std bitmask: 1 stdout, 2 stderr, 3 both
     spares: int = 0
+    # start a new hot spare whenever one of this node's spares is given a rank (off by default: on
+    # a small node the new process's start competes with the survivors replaying the failed step)
+    replenish_spares: bool = False
     transport: str = "gloo"
     store: str = "tcp"
     run_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
@@ -87,6 +90,13 @@ class RunConfig:
         if multi_node and (self.rdzv_endpoint is None or self.rdzv_endpoint.port == 0):
             raise UsageError("--rdzv-endpoint HOST:PORT with a fixed port is required when "
                              "--nnodes > 1 or the controller is external")
+
+    @property
+    def fence_after_s(self) -> float:
+        """Seconds without an answered heartbeat after which the agent kills its workers and exits.
+        Shorter than the controller's timeout by two heartbeats (and counted from the *send* time of
+        the last answered beat): a cut-off node is dead before its ranks are given to other nodes."""
+        return max(self.heartbeat_interval_s, self.heartbeat_timeout_s - 2 * self.heartbeat_interval_s)
 
     @property
     def hosts_controller(self) -> bool:

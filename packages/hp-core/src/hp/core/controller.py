@@ -68,6 +68,8 @@ class NodeRecord:
     rank_offset: int = 0
     last_seen: float = 0.0
     done: bool = False
+    lost: bool = False  # silent past the heartbeat timeout: its ranks went to spares elsewhere
+    address: str = ""  # the address the agent reached the controller from (told to survivors)
     promotions: list[dict] = field(default_factory=list)  # spares of this node given a rank, not yet told
 
 
@@ -113,6 +115,7 @@ class Controller:
         self.holders: dict[int, str] = {}  # rank -> id of the process holding it (fences out old ones)
         self.rank_restarts: dict[int, int] = {}
         self.free_spares: dict[str, int] = {}  # spare id -> node_rank
+        self.spares_seen: set[str] = set()  # every spare id ever registered: a promoted one never comes back
         self.rank_exceptions: dict[int, int] = {}
         self.decisions: list[dict] = []
         self._handlers = {
@@ -122,6 +125,7 @@ class Controller:
             "worker_failed": self._worker_failed,
             "rank_failed": self._rank_failed,
             "spare_failed": self._spare_failed,
+            "spare_added": self._spare_added,
             "node_done": self._node_done,
             "node_stopping": self._node_stopping,
             "state": lambda p: self.snapshot(),
@@ -145,16 +149,45 @@ class Controller:
         self._log("refused", request=verb, status=status, reason=message, node_rank=node_rank)
 
     def check_liveness(self) -> None:
-        """Fail the job if a running node stopped heartbeating (no elastic shrink yet)."""
+        """Nodes silent past the heartbeat timeout are lost together: every rank they held goes to a
+        free spare on a surviving node, in one new generation; without enough spares the job fails,
+        naming the nodes. (A lost node's agent fences itself before this: see hp.core.agent.)"""
         with self._lock:
             if self.state is not JobState.RUNNING:
                 return
             now = self._clock()
-            for node in self.nodes.values():
-                silent = now - node.last_seen
-                if not node.done and silent > self.config.heartbeat_timeout_s:
-                    self._fail(f"node {node.node_rank} ({node.host}) lost: no heartbeat for {silent:.1f} s")
-                    return
+            lost = [n for n in self.nodes.values()
+                    if not n.done and not n.lost and now - n.last_seen > self.config.heartbeat_timeout_s]
+            if lost:
+                self._lose_nodes(lost, now)
+
+    def _lose_nodes(self, lost: list[NodeRecord], now: float) -> None:
+        names = ", ".join(f"node {n.node_rank} ({n.host}{' ' + n.address if n.address else ''})" for n in lost)
+        silent = max(now - n.last_seen for n in lost)
+        gone = {n.node_rank for n in lost}
+        for node in lost:
+            node.lost = True
+            self._log("node_lost", node_rank=node.node_rank, host=node.host, address=node.address,
+                      silent_s=round(now - node.last_seen, 3))
+        for spare in [s for s, owner in self.free_spares.items() if owner in gone]:
+            del self.free_spares[spare]  # died with their node
+        ranks = sorted(r for r, owner in self.members.items() if owner in gone)
+        spares = sorted(self.free_spares)
+        if len(spares) < len(ranks):
+            self._fail(f"{names} lost: no heartbeat for {silent:.1f} s; its ranks {ranks} need {len(ranks)} "
+                       f"spare(s) on the surviving nodes, {len(spares)} free")
+            return
+        moves = list(zip(ranks, spares))
+        for rank, spare in moves:
+            self.members[rank] = self.free_spares.pop(spare)
+            self.holders[rank] = spare_holder(spare)
+        self._bump("node_lost", nodes=sorted(gone), ranks=ranks)
+        for rank, spare in moves:
+            owner = self.members[rank]
+            self._log("promote_spare", rank=rank, spare=spare, spare_node=owner, failed_node=None,
+                      cause=f"{names} lost")
+            self._publish(spare_key(spare), json.dumps({"rank": rank, "generation": self.generation}))
+            self.nodes[owner].promotions.append({"spare": spare, "rank": rank, "generation": self.generation})
 
     def snapshot(self) -> dict:
         return {
@@ -164,7 +197,8 @@ class Controller:
             "restarts": self.restarts,
             "members": dict(self.members),
             "free_spares": sorted(self.free_spares),
-            "nodes": {n.node_rank: {"host": n.host, "nproc": n.nproc, "done": n.done} for n in self.nodes.values()},
+            "nodes": {n.node_rank: {"host": n.host, "nproc": n.nproc, "done": n.done, "lost": n.lost}
+                      for n in self.nodes.values()},
             "decisions": len(self.decisions),
         }
 
@@ -219,7 +253,11 @@ class Controller:
         node_rank = _field(payload, "node_rank", int)
         if node_rank not in self.nodes:
             raise Refused(403, f"node {node_rank} is not a member of this job")
-        return self.nodes[node_rank]
+        node = self.nodes[node_rank]
+        if node.lost:  # it was silent too long: its ranks belong to other processes now
+            raise Refused(410, f"node {node_rank} was declared lost (no heartbeat for "
+                               f"{self.config.heartbeat_timeout_s:g} s); its ranks were given to other nodes")
+        return node
 
     def _require_running(self) -> None:
         if self.state is not JobState.RUNNING:
@@ -230,7 +268,9 @@ class Controller:
         node_rank = _field(p, "node_rank", int)
         nproc = _field(p, "nproc", int)
         host = _field(p, "host", str)
-        spares = p.get("spares", 0)
+        spares, address = p.get("spares", 0), p.get("address", "")
+        if not isinstance(address, str):
+            raise Refused(400, "malformed request: field 'address' must be str")
         if not isinstance(spares, int) or isinstance(spares, bool) or spares < 0:
             raise Refused(400, "malformed request: field 'spares' must be an int >= 0")
         if not 0 <= node_rank < self.config.nnodes:
@@ -242,7 +282,7 @@ class Controller:
             raise Refused(409, f"job is {self.state.value}; node {node_rank} cannot join now")
         if known and (known.nproc, known.host, known.spares) != (nproc, host, spares):
             raise Refused(409, f"node_rank {node_rank} already joined from {known.host}")
-        self.nodes[node_rank] = NodeRecord(node_rank, nproc, host, spares)
+        self.nodes[node_rank] = NodeRecord(node_rank, nproc, host, spares, address=address)
         self._log("join", node_rank=node_rank, host=host, nproc=nproc, spares=spares)
         if len(self.nodes) == self.config.nnodes:
             offset = 0
@@ -252,6 +292,7 @@ class Controller:
                 self.members.update({r: node.node_rank for r in range(offset, offset + node.nproc)})
                 self.holders.update({r: worker_holder(r, 0) for r in range(offset, offset + node.nproc)})
                 self.free_spares.update({spare_id(node.node_rank, i): node.node_rank for i in range(node.spares)})
+                self.spares_seen.update({spare_id(node.node_rank, i) for i in range(node.spares)})
                 offset += node.nproc
             self.state = JobState.RUNNING
             self._bump("rendezvous_complete", world_size=offset)
@@ -281,7 +322,7 @@ class Controller:
         node.last_seen = self._clock()
         promotions, node.promotions = node.promotions, []
         return {"state": self.state.value, "generation": self.generation, "reason": self.reason,
-                "promotions": promotions}
+                "promotions": promotions, "lost": sorted(n.address for n in self.nodes.values() if n.lost and n.address)}
 
     def _member_rank(self, p: dict, node: NodeRecord) -> int:
         rank = _field(p, "rank", int)
@@ -325,10 +366,9 @@ class Controller:
             return {"action": "restart", "generation": self.generation, "rank": rank, "holder": self.holders[rank]}
         message = p.get("message")
         detail = f": {message}" if isinstance(message, str) and message else ""
-        spares = sum(n.spares for n in self.nodes.values())
         spent = f"restarts exhausted ({self.restarts}/{self.config.max_restarts})"
-        if spares:
-            spent = f"no spare left ({spares} started) and {spent}"
+        if self.spares_seen:
+            spent = f"no spare left ({len(self.spares_seen)} started) and {spent}"
         self._fail(f"{who} {cause}{detail}; {spent}")
         return {"action": "stop", "reason": self.reason, "generation": self.generation}
 
@@ -366,11 +406,26 @@ class Controller:
             self._log("spare_lost", spare=spare, node_rank=node.node_rank)
         return {"free_spares": len(self.free_spares)}
 
+    def _spare_added(self, p: dict) -> dict:
+        """An agent started a new hot spare (replacing a promoted one): it is free for any rank."""
+        node = self._node(p)
+        self._require_running()
+        spare = _field(p, "spare", str)
+        prefix = spare_id(node.node_rank, 0)[:-1]
+        if not (spare.startswith(prefix) and spare[len(prefix):].isdigit()):
+            raise Refused(400, f"spare id {spare!r} of node {node.node_rank} must look like {prefix}<k>")
+        if spare in self.spares_seen:
+            raise Refused(409, f"spare id {spare!r} was already used in this job")
+        self.spares_seen.add(spare)
+        self.free_spares[spare] = node.node_rank
+        self._log("spare_added", spare=spare, node_rank=node.node_rank)
+        return {"free_spares": len(self.free_spares)}
+
     def _node_done(self, p: dict) -> dict:
         node = self._fence(p)
         node.done = True
         self._log("node_done", node_rank=node.node_rank)
-        if self.state is JobState.RUNNING and all(n.done for n in self.nodes.values()):
+        if self.state is JobState.RUNNING and all(n.done or n.lost for n in self.nodes.values()):
             self.state = JobState.SUCCEEDED
             self._log("job_succeeded")
         return {"state": self.state.value}
