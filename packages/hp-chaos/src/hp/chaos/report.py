@@ -84,9 +84,11 @@ def write_png(r: dict, path: str) -> None:
     seen = set()
     for i, f in enumerate(faults):
         left = 0.0
-        for name, secs in f["phases"].items():
-            bars.barh(i, secs, left=left, color=PHASE_COLORS.get(name, "#8c564b"),
-                      label=name if name not in seen else None)
+        # nothing failed (a slow rank, a resumed hang, a dead spare): only the wait for the next commit
+        phases = {"no failure: to next commit": f["phases"]["replay"]} if list(f["phases"]) == ["replay"] \
+            else f["phases"]
+        for name, secs in phases.items():
+            bars.barh(i, secs, left=left, color=PHASE_COLORS.get(name, "#c7c7c7"), label=name)
             seen.add(name)
             left += secs
         text = "never fired" if not f["fired"] else ("no commit after it" if f["recovery_s"] is None
@@ -97,8 +99,11 @@ def write_png(r: dict, path: str) -> None:
     bars.set_xlabel("recovery: fault -> next committed step (s)")
     xmax = max([f["recovery_s"] or 0 for f in faults] + [0.1])
     bars.set_xlim(0, xmax * 1.35)
-    if seen:
-        bars.legend(fontsize=7, ncol=6, loc="lower right")
+    if seen:  # one entry per phase, in the order recovery goes through them
+        handles = dict(zip(*reversed(bars.get_legend_handles_labels())))
+        order = [p for p in [*PHASE_COLORS, "no failure: to next commit"] if p in handles]
+        bars.legend([handles[p] for p in order], order, fontsize=7, ncol=7, loc="upper center",
+                    bbox_to_anchor=(0.5, -0.35), frameon=False)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

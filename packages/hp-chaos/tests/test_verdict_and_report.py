@@ -1,0 +1,118 @@
+"""The verdict arithmetic on hand-made event logs (every expectation can fail), and the report:
+a PNG people can read and a table, from ``hp chaos report RESULT.json``; bad input is exit 2."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+
+import pytest
+from hp.chaos.launch import JobRun
+from hp.chaos.runner import evaluate, goodput, write_result
+from hp.chaos.scenario import parse_scenario
+from hp.checkpointless.demo.run import RunResult
+from hp.core.testing import HP
+from PIL import Image
+
+GEN = 1
+
+
+def commit(t: float, step: int, loss: float, generation: int = GEN) -> dict:
+    return {"t": t, "event": "commit", "rank": 0, "step": step, "generation": generation, "loss": loss.hex()}
+
+
+def reference() -> RunResult:
+    return RunResult(0, 10.0, [commit(float(s), s, 5.0 - s / 10) for s in range(8)], "")
+
+
+def faulted(changed_step: int | None = None, returncode: int = 0) -> JobRun:
+    """Steps 0..7 at 1 s each; rank 1 killed at step 4's all-reduce, back 0.5 s later in generation 2."""
+    ev = [commit(float(s), s, 5.0 - s / 10) for s in range(4)]
+    ev += [{"t": 3.5, "event": "fault_injected", "kind": "kill", "phase": "allreduce", "step": 4, "rank": 1, "pid": 9},
+           {"t": 3.6, "event": "failure_detected", "step": 4, "rank": 0, "generation": 1},
+           {"t": 3.7, "event": "released", "generation": 1, "rank": 0},
+           {"t": 3.8, "event": "pg_ready", "generation": 2, "rank": 0},
+           {"t": 3.9, "event": "resumed", "generation": 2, "rank": 0, "step": 3}]
+    ev += [commit(0.5 + s, s, 5.0 - s / 10 + (1e-9 if s == changed_step else 0.0), 2) for s in range(4, 8)]
+    return JobRun(RunResult(returncode, 12.0, ev, "hp run: job failed: rank 1 died\n"), False, 0, [])
+
+
+SCENARIO = {"name": "unit", "job": {"steps": 8}, "faults": [{"at_step": 4, "kind": "kill", "target": "rank:1",
+                                                              "phase": "allreduce"}]}
+
+
+def verdict(expect: dict, run: JobRun | None = None, ref: RunResult | None = None) -> dict:
+    return evaluate(parse_scenario({**SCENARIO, "expect": expect}), ref or reference(), run or faulted())
+
+
+def test_a_recovered_fault_meets_every_expectation():
+    r = verdict({"completes": True, "bitwise_equal": True, "lost_steps": 0, "max_recovery_s": 1.5,
+                 "min_goodput": 0.8, "recoveries": 1})
+    assert r["passed"] and r["failures"] == []
+    assert r["recovery_s"] == [pytest.approx(1.0)]  # 3.5 -> first commit of generation 2 at 4.5
+    assert r["faults"][0]["phases"] == pytest.approx({"detect": 0.1, "abort": 0.1, "pg_init": 0.1, "hydrate": 0.1,
+                                                      "replay": 0.6})
+    # steps 1..7 take 7 s in the reference; the faulted window (0 -> 7.5) is 7.5 s
+    assert r["goodput"] == pytest.approx(7 / 7.5) == goodput(reference(), faulted().result)
+    assert r["recoveries"] == 1 and r["losses"]["faulted"]["7"] == [pytest.approx(4.3)]
+
+
+@pytest.mark.parametrize("expect, run, unmet", [
+    ({"max_recovery_s": 0.5}, None, "max_recovery_s: faults[0] (kill of rank:1 at step 4 (allreduce)) expected <= 0.5"),
+    ({"bitwise_equal": True}, faulted(changed_step=6), "bitwise_equal: expected True, got False (steps differing "
+                                                       "or missing: [6])"),
+    ({"min_goodput": 0.99}, None, "min_goodput: expected >= 0.99, got 0.933"),
+    ({"recoveries": 0}, None, "recoveries: expected <= 0, got 1"),
+    ({"completes": True}, faulted(returncode=1), "completes: the faulted job failed (exit 1): hp run: job failed"),
+    ({"completes": False}, None, "completes: expected the faulted job to fail, it completed"),
+    ({"completes": False, "error_contains": "controller"}, faulted(returncode=1), "error_contains: 'controller'"),
+])
+def test_each_unmet_expectation_is_named(expect, run, unmet):
+    r = verdict(expect, run)
+    assert not r["passed"] and len(r["failures"]) == 1 and r["failures"][0].startswith(unmet), r["failures"]
+
+
+def test_a_fault_that_never_fired_fails_the_scenario():
+    run = faulted()
+    run.result.events[:] = [e for e in run.result.events if e["event"] != "fault_injected"]
+    r = verdict({}, run)
+    assert r["failures"] == ["faults[0] (kill of rank:1 at step 4 (allreduce)) never fired"]
+    assert r["recovery_s"] == [None]
+
+
+def test_a_lost_step_is_counted():
+    run = faulted()
+    run.result.events.append(commit(7.9, 7, 4.3, 2))  # step 7 committed twice
+    r = verdict({"lost_steps": 0}, run)
+    assert r["lost_steps"] == 1 and r["failures"] == ["lost_steps: expected <= 0, got 1"]
+
+
+def test_hp_chaos_report_writes_a_png_and_prints_the_table(tmp_path):
+    result = verdict({"max_recovery_s": 0.5})
+    result["log_dir"] = str(tmp_path)
+    write_result(result, str(tmp_path / "result.json"))
+    out = subprocess.run([*HP, "chaos", "report", str(tmp_path / "result.json")], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    png = tmp_path / "result.png"
+    with Image.open(png) as img:
+        assert img.format == "PNG" and img.size[0] >= 800 and img.size[1] >= 600
+        assert len(set(img.convert("RGB").getdata())) > 20  # drawn on, not a blank canvas
+    rows = {line[:38].strip(): line[38:].strip() for line in out.stdout.splitlines()}
+    assert rows["verdict"] == "FAILED" and rows["kill of rank:1 at step 4 (allreduce)"] == "recovery 1.000 s"
+    assert rows["unmet"].startswith("max_recovery_s: faults[0]") and rows["replay"] == "600 ms"
+    assert f"picture written to {png}" in out.stdout
+
+
+@pytest.mark.parametrize("content, message", [
+    (None, "No such file or directory"),
+    ("{not json", "Expecting property name"),
+    (json.dumps({"name": "x"}), "not a scenario result (from `hp chaos run --json`): missing passed"),
+])
+def test_hp_chaos_report_bad_input_is_one_line_exit_2(tmp_path, content, message):
+    path = tmp_path / "r.json"
+    if content is not None:
+        path.write_text(content)
+    out = subprocess.run([*HP, "chaos", "report", str(path)], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and out.stderr.count("\n") == 1 and message in out.stderr, out.stderr
+    assert not (tmp_path / "r.png").exists()
