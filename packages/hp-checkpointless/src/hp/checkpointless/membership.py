@@ -65,10 +65,20 @@ def wait_for_generation(store: dist.Store, minimum: int, poll_s: float = 0.005,
         time.sleep(poll_s)
 
 
-def wait_for_assignment(store: dist.Store, spare: str, poll_s: float = 0.005) -> tuple[int, int]:
-    """Block a hot spare until the controller gives it a rank; returns (rank, generation)."""
+STATE_NBYTES_KEY = "hp/state_nbytes"  # size of a full hydration, published by rank 0 after its first commit
+
+
+def wait_for_assignment(store: dist.Store, spare: str, poll_s: float = 0.005,
+                        on_idle: Callable[[dist.Store], None] | None = None, idle_every_s: float = 0.5) -> tuple[int, int]:
+    """Block a hot spare until the controller gives it a rank; returns (rank, generation).
+    ``on_idle(store)`` runs every ``idle_every_s`` meanwhile (preparation that must not delay a promotion
+    by more than one call)."""
     key = spare_key(spare)
+    last_idle = 0.0
     while not store.check([key]):
+        if on_idle is not None and time.monotonic() - last_idle >= idle_every_s:
+            on_idle(store)
+            last_idle = time.monotonic()
         time.sleep(poll_s)
     raw = json.loads(store.get(key))
     return int(raw["rank"]), int(raw["generation"])

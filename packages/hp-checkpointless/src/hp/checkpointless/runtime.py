@@ -100,6 +100,8 @@ class Context:
         self._vote = torch.zeros(2, dtype=torch.float64)
         self._agree: torch.Tensor | None = None
         self._rng: dict | None = None
+        self._receive_buffer: state.StateBuffer | None = None  # a spare's pre-faulted hydration buffer
+        self._size_published = False
         self._pg_lock = threading.Lock()
         self._pg_live = False
         self._latest = 0  # newest generation the watch thread has seen
@@ -229,6 +231,8 @@ class Context:
         self._rng = capture_rng()
         self.events.record("commit", step=int(step), rank=self._rank, generation=self.generation,
                            loss=self.last_loss.hex())
+        if not self._size_published:
+            self._publish_state_size()
         if self._sharded is not None:
             failure = self._share_shards()
             if failure is not None:  # the step is committed here; only peers' copies need repair
@@ -355,13 +359,29 @@ class Context:
     def _join(self) -> None:
         if self.role == "spare":
             self.events.record("spare_ready", spare=self.spare_id)
-            self._rank, generation = membership.wait_for_assignment(self._store, self.spare_id)
+            self._rank, generation = membership.wait_for_assignment(self._store, self.spare_id,
+                                                                    on_idle=self._prepare_receive_buffer)
             self.role = "worker"
             self.events.record("assigned", spare=self.spare_id, rank=self._rank, generation=generation)
             self._faults.armed = False
             self._reform(generation)
         else:
             self._reform(self._start_generation)
+
+    def _prepare_receive_buffer(self, store: dist.Store) -> None:
+        """Spare, while waiting: allocate and fault in the buffer a hydration will land in. Page faults
+        into fresh memory cost several times the transfer itself (INFRA.md "Measured floors")."""
+        if self._receive_buffer is not None or not store.check([membership.STATE_NBYTES_KEY]):
+            return
+        nbytes = int(store.get(membership.STATE_NBYTES_KEY))
+        self._receive_buffer = state.StateBuffer(None, torch.zeros(nbytes + (nbytes >> 6), dtype=torch.uint8))
+        self.events.record("receive_buffer_ready", nbytes=nbytes)
+
+    def _publish_state_size(self) -> None:
+        """Rank 0, after its first commit (when lazily created optimizer state exists)."""
+        self._size_published = True
+        if self._sharded is None and self._rank == 0:
+            self._store.set(membership.STATE_NBYTES_KEY, str(state.wire_nbytes(self._capture())))
 
     def _reform(self, minimum: int, on_slow=None) -> None:
         """Form the newest generation >= ``minimum`` and bring this rank to the agreed step,
@@ -420,7 +440,9 @@ class Context:
                 # in place into our own tensors when the layouts match; a fresh process's optimizer
                 # has no state yet, so it receives into a new buffer the optimizer then keeps
                 has_state = self._optimizer is None or bool(self._optimizer.state)
-                received = state.recv_state(source, template=self._capture() if has_state else None)
+                received = state.recv_state(source, template=self._capture() if has_state else None,
+                                            buffer=None if has_state else self._receive_buffer)
+                self._receive_buffer = None  # the optimizer now owns those bytes: never receive into them again
                 extra = state.restore(received, self._model, self._optimizer, self._scheduler)
                 if self._extra is not None and extra:
                     self._extra.load_state_dict(extra)

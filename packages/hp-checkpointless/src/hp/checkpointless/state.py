@@ -28,7 +28,7 @@ import torch.distributed as dist
 from hp.checkpointless.rng import capture_rng, restore_rng
 
 __all__ = ["DEFAULT_MAX_BYTES", "StateBuffer", "StateTransferError", "broadcast_state", "capture",
-           "checksum", "flatten", "recv_state", "restore", "send_state", "unflatten"]
+           "checksum", "flatten", "recv_state", "restore", "send_state", "unflatten", "wire_nbytes"]
 
 MAGIC = int.from_bytes(b"HPSTATE1", "big")
 VERSION = 1
@@ -144,6 +144,11 @@ def _layout(specs: Sequence[Spec]) -> tuple[list[int], int]:
         offsets.append(pos)
         pos += math.prod(shape) * dt.itemsize
     return offsets, max(ALIGN, -(-pos // ALIGN) * ALIGN)
+
+
+def wire_nbytes(state: Mapping[str, Any]) -> int:
+    """Size of the flat buffer `state` travels in: what a receiver can allocate (and fault in) ahead."""
+    return _layout(_tensor_specs(flatten(state)[0]))[1]
 
 
 class StateBuffer:
