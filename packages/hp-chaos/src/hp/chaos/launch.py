@@ -37,13 +37,16 @@ def demo_config(job: JobSpec, spares: int | None = None) -> DemoConfig:
                       seed=job.seed, max_restarts=job.max_restarts)
 
 
-def node_command(cfg: DemoConfig, log_dir: str, nodes: int, node: int, endpoint: str | None) -> list[str]:
-    """``hp run`` of one node: the demo's command with the multi-node flags added."""
+def node_command(job: JobSpec, cfg: DemoConfig, log_dir: str, node: int, endpoint: str | None) -> list[str]:
+    """``hp run`` of one node: the demo's command with the job's agent flags added."""
     cmd = job_command(cfg, log_dir)
-    if nodes == 1:
-        return cmd
     run = cmd.index("run") + 1
-    return [*cmd[:run], "--nnodes", str(nodes), "--node-rank", str(node), "--rdzv-endpoint", endpoint, *cmd[run:]]
+    flags = ["--heartbeat-timeout", str(job.heartbeat_timeout_s)]
+    if job.replenish_spares:
+        flags.append("--replenish-spares")
+    if job.nodes > 1:
+        flags += ["--nnodes", str(job.nodes), "--node-rank", str(node), "--rdzv-endpoint", endpoint]
+    return [*cmd[:run], *flags, *cmd[run:]]
 
 
 class _Tail:
@@ -112,6 +115,7 @@ class JobRun:
     timed_out: bool
     orphans_killed: int  # processes of the job still alive after its agents ended
     action_errors: list[str]
+    agent_returncodes: list[int] = field(default_factory=list)  # per node
 
 
 def run_job(job: JobSpec, log_dir: str, hp_faults: list[dict], actions: list[Action] = (),
@@ -135,7 +139,7 @@ def run_job(job: JobSpec, log_dir: str, hp_faults: list[dict], actions: list[Act
         agents = []
         start = time.monotonic()
         for i, node_dir in enumerate(node_dirs):
-            argv = node_command(cfg, node_dir, job.nodes, i, endpoint)
+            argv = node_command(job, cfg, node_dir, i, endpoint)
             if topo:
                 agents.append(topo.run_in(i, argv, {**base_env, "GLOO_SOCKET_IFNAME": topo.ifname(i)},
                                           stdout=out, stderr=subprocess.STDOUT, start_new_session=True))
@@ -154,10 +158,10 @@ def run_job(job: JobSpec, log_dir: str, hp_faults: list[dict], actions: list[Act
         output = f.read()
     events = [e for d in node_dirs for e in read_events(os.path.join(d, "events"))]
     events.sort(key=lambda e: e["t"])
+    # the job's outcome is the controller's, i.e. node 0's agent's: another node may be lost on purpose
     code = agents[0].returncode if not timed_out else 124
-    if job.nodes > 1 and code == 0:
-        code = next((a.returncode for a in agents if a.returncode), 0)
-    return JobRun(RunResult(code, wall, events, output), timed_out, orphans, errors)
+    return JobRun(RunResult(code, wall, events, output), timed_out, orphans, errors,
+                  [a.returncode for a in agents])
 
 
 def _watch(live: Live, actions: list[Action], deadline: float) -> tuple[bool, list[str]]:

@@ -188,6 +188,7 @@ def evaluate(scenario: Scenario, reference: RunResult, run: JobRun) -> dict:
         "step_time_s": step_time(reference),
         "wall_s": {"reference": reference.wall_s, "faulted": faulted.wall_s},
         "orphans_killed": run.orphans_killed,
+        "agent_returncodes": run.agent_returncodes,
         "losses": {"reference": _floats(reference.losses()), "faulted": _floats(faulted.losses())},
         "t0": {"reference": _first_commit(reference), "faulted": _first_commit(faulted)},
         "expect": {k: v for k, v in asdict(expect).items() if v is not None},

@@ -37,6 +37,8 @@ class JobSpec:
     seed: int = 0
     hang_timeout_s: float = 10.0  # agent's heartbeat silence before a rank counts as hung
     max_restarts: int = 0  # process restarts per rank when no spare is left
+    heartbeat_timeout_s: float = 30.0  # controller: a node silent this long is lost (hp run's default)
+    replenish_spares: bool = False  # agents start a new spare when one is promoted (hp run --replenish-spares)
     corpus_mb: int = 2
     timeout_s: float = 240.0  # a hang guard per job, not a measurement
 
@@ -73,7 +75,7 @@ class Scenario:
 
 
 _MINIMUM = {"nodes": 1, "nproc_per_node": 1, "spares": 0, "steps": 2, "seed": 0, "max_restarts": 0, "corpus_mb": 1,
-            "hang_timeout_s": 0.1, "timeout_s": 1.0}
+            "hang_timeout_s": 0.1, "timeout_s": 1.0, "heartbeat_timeout_s": 2.5}
 _SCALARS = {"bool": bool, "int": int, "float": float, "str": str}
 
 
