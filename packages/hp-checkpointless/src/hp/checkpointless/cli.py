@@ -6,7 +6,7 @@ import argparse
 import json
 
 from hp.checkpointless.demo.model import MODEL_SIZES
-from hp.checkpointless.faults import KINDS, PHASES
+from hp.checkpointless.faults import PHASES
 from hp.core.errors import UsageError
 from hp.core.hookspecs import hookimpl
 
@@ -20,7 +20,8 @@ def _demo(args: argparse.Namespace) -> int:
         raise UsageError("--steps must be >= 4 and --spares >= 0")
     cfg = DemoConfig(fault=args.fault, phase=args.phase, steps=args.steps, fault_step=args.fault_step,
                      fault_rank=args.fault_rank, nproc=args.nproc, spares=args.spares,
-                     model_size=args.model_size, hang_timeout_s=args.hang_timeout, log_dir=args.log_dir)
+                     model_size=args.model_size, hang_timeout_s=args.hang_timeout, log_dir=args.log_dir,
+                     train_args=["--zero"] if args.zero else [])
     result = run_demo(cfg)
     print(format_table(result))
     if result.get("error_tail"):
@@ -34,7 +35,7 @@ def _demo(args: argparse.Namespace) -> int:
 def hp_cli_commands(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("demo", help="reference run vs the same job with a fault: recovery time, "
                                            "lost steps, bit-identical losses")
-    p.add_argument("--fault", choices=KINDS, default="kill")
+    p.add_argument("--fault", choices=("kill", "hang", "exception"), default="kill")
     p.add_argument("--phase", choices=PHASES[:-1], default="allreduce", help="step phase the fault hits")
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--fault-step", type=int, default=None, help="default: the middle of the run")
@@ -43,6 +44,8 @@ def hp_cli_commands(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--spares", type=int, default=1)
     p.add_argument("--model-size", choices=sorted(MODEL_SIZES), default="tiny")
     p.add_argument("--hang-timeout", type=float, default=2.0, help="seconds of silence before a hang is killed")
+    p.add_argument("--zero", action="store_true",
+                   help="shard the optimizer state (ZeroRedundancyOptimizer; shards replicated to a buddy rank)")
     p.add_argument("--log-dir", default=None)
     p.add_argument("--json", action="store_true", help="last stdout line: one JSON object")
     p.set_defaults(handler=_demo)

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
-from hp.checkpointless import membership, sharded, state
+from hp.checkpointless import hydration, membership, sharded, state
 from hp.checkpointless.rng import capture_rng, restore_rng
 from hp.checkpointless.events import EventLog
 from hp.checkpointless.faults import FaultPlan
@@ -393,6 +393,9 @@ class Context:
             try:
                 self._form(plan)
                 return
+            except sharded.ShardLost as e:
+                self._report("unrecoverable", str(e))
+                raise JobEnded(f"hp: {e}") from None
             except (CollectiveError, membership.Superseded, state.StateTransferError, RuntimeError) as e:
                 self.events.record("reform_failed", generation=plan.generation, rank=self._rank, error=str(e)[:300])
                 self._release_pg()
@@ -425,89 +428,10 @@ class Context:
         source = int((info[0] == newest).nonzero()[0])
         behind = [r for r in range(plan.world_size) if info[0, r] < newest]
         if sh is None:
-            self._hydrate(behind, source, newest, plan.generation)
+            hydration.replicated(self, behind, source, newest, plan.generation)
         else:
-            self._hydrate_sharded(sharded.Versions(*info.tolist()), behind, source, newest, plan.generation)
+            hydration.sharded_optimizer(self, sharded.Versions(*info.tolist()), behind, source, newest, plan.generation)
         self.events.record("resumed", rank=self._rank, step=self.committed, generation=plan.generation)
-
-    def _hydrate(self, behind: list[int], source: int, newest: int, generation: int) -> None:
-        """Replicated state: the ranks behind pull everything from the source."""
-        for r in behind:
-            if self._rank == source:
-                self._phase(newest, "hydration")
-                state.send_state(self._capture(), r)
-            elif self._rank == r:
-                # in place into our own tensors when the layouts match; a fresh process's optimizer
-                # has no state yet, so it receives into a new buffer the optimizer then keeps
-                has_state = self._optimizer is None or bool(self._optimizer.state)
-                received = state.recv_state(source, template=self._capture() if has_state else None,
-                                            buffer=None if has_state else self._receive_buffer)
-                self._receive_buffer = None  # the optimizer now owns those bytes: never receive into them again
-                extra = state.restore(received, self._model, self._optimizer, self._scheduler)
-                if self._extra is not None and extra:
-                    self._extra.load_state_dict(extra)
-                self._hydrated(newest, source, generation)
-
-    def _hydrate_sharded(self, v: sharded.Versions, behind: list[int], source: int, newest: int,
-                         generation: int) -> None:
-        """Sharded optimizer: shards come from buddies (rolled forward where one step old), the
-        replicated rest from the source, partitions from their owners; then shards are re-replicated."""
-        sh = self._sharded
-        try:
-            rebuild = sharded.plan_shard_sources(v, newest)
-        except sharded.ShardLost as e:
-            self._report("unrecoverable", str(e))
-            raise JobEnded(f"hp: {e}") from None
-        if sharded.own_roll_forward_needed(v, self._rank, newest):  # missed the vote of `newest` only
-            params = [p for p in self._model.parameters() if p.requires_grad]
-            self._unflatten_grads(params, self._grads)
-            sh.local_step(newest)
-            self._optimizer.zero_grad(set_to_none=False)
-            self.events.record("shard_rebuilt", rank=self._rank, step=newest, buddy=None, rolled_forward=True,
-                               generation=generation)
-        for r, buddy in sorted(rebuild.items()):
-            if self._rank == buddy:
-                self._phase(newest, "hydration")
-                sh.send_for_replacement(r, v, newest, self._grads if self._grads_step == newest else None)
-            elif self._rank == r:
-                rolled = sh.receive_as_replacement(buddy, newest)
-                self.events.record("shard_rebuilt", rank=r, step=newest, buddy=buddy, rolled_forward=rolled,
-                                   generation=generation)
-        for r in behind:
-            if self._rank == source:
-                if r not in rebuild:
-                    self._phase(newest, "hydration")
-                state.send_state(self._replicated_state(), r)
-            elif self._rank == r:
-                self._load_replicated_state(state.recv_state(source))
-                self._hydrated(newest, source, generation)
-        self._collective(sh.sync_params)
-        sh.replicate(self._rank, self._collective)
-
-    def _replicated_state(self) -> dict:
-        """What is the same on every rank of a sharded job (partitions and shards travel separately)."""
-        return {"buffers": dict(self._model.named_buffers()), "rng": capture_rng(),
-                "hyper": sharded.hyper(self._optimizer.param_groups),
-                "scheduler": self._scheduler.state_dict() if self._scheduler is not None else None,
-                "extra": self._extra.state_dict() if self._extra is not None else None}
-
-    def _load_replicated_state(self, received: dict) -> None:
-        buffers = dict(self._model.named_buffers())
-        if set(buffers) != set(received["buffers"]):
-            raise state.StateTransferError("the source's model buffers differ from this model's")
-        with torch.no_grad():
-            for name, buf in received["buffers"].items():
-                buffers[name].copy_(buf)
-        sharded.set_hyper(self._optimizer.param_groups, received["hyper"])
-        if self._scheduler is not None:
-            self._scheduler.load_state_dict(received["scheduler"])
-        if self._extra is not None and received["extra"]:
-            self._extra.load_state_dict(received["extra"])
-        restore_rng(received["rng"])
-
-    def _hydrated(self, newest: int, source: int, generation: int) -> None:
-        self.committed, self._rng = newest, capture_rng()
-        self.events.record("hydrated", rank=self._rank, step=newest, source=source, generation=generation)
 
     def _capture(self) -> dict:
         extra = self._extra.state_dict() if self._extra is not None else None
