@@ -122,3 +122,21 @@ def test_standalone_controller_runs_the_job(launch, tmp_path, free_port):
     assert "job succeeded" in controller.output
     decisions = [json.loads(line)["decision"] for line in (tmp_path / "decisions.jsonl").read_text().splitlines()]
     assert decisions[0] == "join" and decisions[-1] == "job_succeeded"
+
+
+def test_an_agent_cut_off_from_the_controller_fences_itself(launch, tmp_path, free_port):
+    """The controller vanishes (as behind a partition): once its lease (heartbeat timeout minus two
+    beats) runs out, the agent kills its workers and exits 1 instead of letting them train on."""
+    token = {"HP_JOB_TOKEN": "f" * 64}
+    timing = ["--heartbeat-interval", "0.2", "--heartbeat-timeout", "2"]
+    controller = launch("controller", "--nnodes", "1", "--port", str(free_port), "--heartbeat-timeout", "2",
+                        extra_env=token)
+    job = launch("run", "--external-controller", "--rdzv-endpoint", f"127.0.0.1:{free_port}",
+                 "--nproc-per-node", "2", *timing, MARKER, extra_env=token)
+    wait_for(_all_started(tmp_path, 2), what="2 workers to start")
+    worker_pids = [pids(tmp_path, r)[0] for r in range(2)]
+    controller.kill()
+    assert job.wait(timeout=60) == 1
+    assert "node 0 fenced itself: no answer from the controller" in job.output and "lease 1.6 s" in job.output
+    for pid in worker_pids:
+        assert not os.path.exists(f"/proc/{pid}") or "Z" in open(f"/proc/{pid}/stat").read().split()[2]

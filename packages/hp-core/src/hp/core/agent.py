@@ -101,7 +101,13 @@ class Agent:
             say(f"stopped by {e.sigval.name}; workers were sent {e.sigval.name}")
             return 128 + int(e.sigval)
         except Fenced as e:
-            self._stop_workers(signal.SIGKILL)  # now: they must not commit another step
+            for w in self.workers + self.spares:  # now: they must not commit another step
+                if w.running:
+                    try:
+                        os.kill(w.pid, signal.SIGKILL)
+                    except ProcessLookupError:
+                        pass
+            self._stop_workers(signal.SIGKILL)
             say(f"node {self.cfg.node_rank} fenced itself: {e}; its workers were killed")
             return 1
         except JobFailed as e:
