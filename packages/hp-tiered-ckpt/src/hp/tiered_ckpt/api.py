@@ -1,0 +1,70 @@
+"""The thin helpers most training scripts need: ``save(state_dict, step)``, ``load(state_dict)``,
+``latest()``. Both go through ``torch.distributed.checkpoint`` with hp's writer/reader, so the
+script's state dict (model, optimizer, DTensor/FSDP shards, extra objects) is whatever DCP accepts.
+"""
+
+from __future__ import annotations
+
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
+
+from hp.core.errors import HpError
+from hp.tiered_ckpt.config import TieredConfig
+from hp.tiered_ckpt.reader import CheckpointRef, TieredReader, find_latest
+from hp.tiered_ckpt.sources import sources_for
+from hp.tiered_ckpt.writer import TieredWriter
+
+
+def save(state_dict: dict, step: int, cfg: TieredConfig) -> bool:
+    """Checkpoint ``state_dict`` as ``step`` if the config's frequencies say so; returns whether it did.
+
+    Blocks only for the copy into the node daemon's staging memory (plus DCP's planning
+    collectives); persistence happens later, in the daemon.
+    """
+    persist = cfg.persist_url is not None and step % cfg.persist_every == 0
+    if step % cfg.memory_every != 0 and not persist:
+        return False
+    try:
+        dcp.save(state_dict, storage_writer=TieredWriter(cfg, step, persist=persist))
+    except CheckpointException as e:
+        _reraise(e, f"save of step {step} to the node daemon at {cfg.daemon} failed")
+    return True
+
+
+def latest(cfg: TieredConfig, step: int | None = None) -> CheckpointRef:
+    """The newest complete checkpoint of ``cfg.namespace`` in any tier, and which tier holds it
+    (fastest first): the job-level rung of the recovery ladder starts here."""
+    return find_latest(sources_for(cfg), step)
+
+
+def _agreed_step(cfg: TieredConfig, step: int | None) -> int:
+    """Every rank must load the same step: rank 0 decides and broadcasts."""
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return latest(cfg, step).step
+    box = [latest(cfg, step).step if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(box, src=0)
+    return int(box[0])
+
+
+def load(state_dict: dict, cfg: TieredConfig, step: int | None = None) -> TieredReader:
+    """Load the newest complete checkpoint (or ``step``) into ``state_dict`` in place, resharding to
+    the current world size. Returns the reader: ``.step``, ``.ref.tier``, ``.tiers_used``, ``.fallbacks``."""
+    reader = TieredReader(sources_for(cfg), _agreed_step(cfg, step))
+    try:
+        dcp.load(state_dict, storage_reader=reader)
+    except CheckpointException as e:
+        _reraise(e, f"load of step {reader.step} failed")
+    return reader
+
+
+def _reraise(e: CheckpointException, what: str):
+    """DCP wraps every rank's exception; surface hp's own (corrupt / missing) as themselves."""
+    causes = [exc for exc, _ in e.failures.values()]
+    for exc in causes:
+        if isinstance(exc, HpError):
+            raise exc from e
+    raise HpError(f"{what}: " + "; ".join(f"{type(c).__name__}: {c}" for c in causes)) from e
+
+
+__all__ = ["save", "load", "latest"]

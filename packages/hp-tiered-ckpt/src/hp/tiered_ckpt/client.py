@@ -1,0 +1,49 @@
+"""Typed client of a node daemon (:mod:`hp.tiered_ckpt.daemon`)."""
+
+from __future__ import annotations
+
+from hp.tiered_ckpt import wire
+
+
+class DaemonClient:
+    def __init__(self, addr: tuple[str, int], token: str, timeout: float = 30.0) -> None:
+        self.addr, self.token, self.timeout = addr, token, timeout
+
+    def __repr__(self) -> str:
+        return f"DaemonClient({self.addr[0]}:{self.addr[1]})"
+
+    def _call(self, op: str, payload: bytes | None = None, limit: int = wire.MAX_HEADER,
+              timeout: float | None = None, **kw) -> tuple[dict, bytes]:
+        return wire.request(self.addr, self.token, {"op": op, **kw}, payload, limit=limit,
+                            timeout=timeout or self.timeout)
+
+    def ping(self) -> dict:
+        return self._call("ping")[0]
+
+    def slot(self, ns: str, rank: int, step: int, size: int) -> str:
+        return self._call("slot", ns=ns, rank=rank, step=step, size=size, timeout=660)[0]["path"]
+
+    def seal(self, ns: str, rank: int, step: int, world: int, path: str, size: int,
+             spans: list[list[int]], persist_url: str | None) -> None:
+        self._call("seal", ns=ns, rank=rank, step=step, world=world, path=path, size=size, spans=spans,
+                   persist_url=persist_url)
+
+    def commit(self, ns: str, step: int, world: int, meta: dict, meta_pickle: bytes,
+               persist_url: str | None) -> None:
+        self._call("commit", meta_pickle, ns=ns, step=step, world=world, meta=meta, persist_url=persist_url)
+
+    def steps(self, ns: str) -> list[dict]:
+        return self._call("list", ns=ns)[0]["steps"]
+
+    def manifest(self, ns: str, step: int) -> dict:
+        return self._call("manifest", ns=ns, step=step)[0]
+
+    def fetch(self, ns: str, step: int, rank: int, offset: int, length: int) -> bytes:
+        return self._call("fetch", ns=ns, step=step, rank=rank, offset=offset, length=length,
+                          limit=wire.MAX_PAYLOAD)[1]
+
+    def gc(self, ns: str, keep: int) -> list[int]:
+        return self._call("gc", ns=ns, keep=keep)[0]["removed"]
+
+    def status(self) -> dict:
+        return self._call("status")[0]

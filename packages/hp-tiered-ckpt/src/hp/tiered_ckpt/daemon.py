@@ -1,0 +1,261 @@
+"""The per-node checkpoint daemon (``hp ckpt daemon``): owns the memory tier of its node.
+
+Workers ask it for a staging slot, copy their tensors into it and *seal* it; from then on the
+daemon owns the bytes: it checksums them, replicates them to ``replicas`` peer daemons and uploads
+them to the persistent tier, all off the training loop. Every connection is signed with the job
+token (:mod:`hp.tiered_ckpt.wire`); the daemon binds the address it is given (127.0.0.1 by default).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import socket
+import socketserver
+import threading
+import time
+import zlib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from hp.tiered_ckpt import fmt, wire
+from hp.tiered_ckpt.persist import PersistentTier
+from hp.tiered_ckpt.store import FileRec, MemoryStore
+
+log = logging.getLogger("hp.tiered_ckpt.daemon")
+
+
+@dataclass
+class DaemonConfig:
+    root: Path
+    token: str
+    host: str = "127.0.0.1"
+    port: int = 0
+    peers: list[tuple[str, int]] = field(default_factory=list)  # other nodes' daemons, ring order
+    replicas: int = 1
+    keep_memory: int = 2
+    keep_persistent: int = 3
+    retry_max_s: float = 10.0
+
+
+class Daemon:
+    def __init__(self, cfg: DaemonConfig) -> None:
+        self.cfg = cfg
+        self.store = MemoryStore(cfg.root, keep=cfg.keep_memory)
+        self.work: queue.Queue = queue.Queue()        # checksums, then replication
+        self.uploads: queue.Queue = queue.Queue()     # persistent tier, never blocks the above
+        self.events: list[dict] = []                  # upload attempts/failures/commits, for status
+        daemon = self
+
+        class Handler(socketserver.BaseRequestHandler):
+            def handle(self) -> None:
+                daemon._serve(self.request)
+
+        class Server(socketserver.ThreadingTCPServer):
+            daemon_threads = True
+            allow_reuse_address = True
+
+        self.server = Server((cfg.host, cfg.port), Handler)
+        self.address = self.server.server_address[:2]
+        for target in (self._work_loop, self._upload_loop):
+            threading.Thread(target=target, daemon=True).start()
+
+    def serve_forever(self) -> None:
+        self.server.serve_forever(poll_interval=0.2)
+
+    def _event(self, kind: str, **kw) -> None:
+        self.events.append({"event": kind, "time": time.time(), **kw})
+        del self.events[:-200]
+
+    # --- requests --------------------------------------------------------------------------------
+    def _serve(self, sock: socket.socket) -> None:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        try:
+            head = wire.recv_header(sock, self.cfg.token)
+        except (wire.WireError, OSError) as e:
+            log.warning("refused a connection: %s", e)
+            return
+        op = head.get("op")
+        try:
+            handler = getattr(self, f"_op_{op}", None) if isinstance(op, str) else None
+            if handler is None:
+                raise ValueError(f"unknown op {op!r}")
+            reply, payload = handler(sock, head)
+            wire.send(sock, self.cfg.token, {"ok": True, **reply}, payload)
+        except (wire.WireError, OSError) as e:
+            log.warning("%s from %s failed: %s", op, sock.getpeername(), e)
+        except (ValueError, KeyError, TypeError, TimeoutError) as e:
+            try:
+                wire.send(sock, self.cfg.token, {"ok": False, "error": f"{op}: {e}"})
+            except OSError:
+                pass
+
+    def _op_ping(self, sock, h):
+        return {"address": list(self.address)}, None
+
+    def _op_slot(self, sock, h):
+        path = self.store.acquire_slot(h["ns"], int(h["rank"]), int(h["step"]), int(h["size"]))
+        return {"path": path}, None
+
+    def _op_seal(self, sock, h):
+        f = self.store.seal(h["ns"], int(h["rank"]), int(h["step"]), int(h["world"]), h["path"],
+                            int(h["size"]), h["spans"], h.get("persist_url"))
+        self.work.put(("file", h["ns"], int(h["step"]), f, h.get("persist_url")))
+        return {}, None
+
+    def _op_commit(self, sock, h):
+        blob = wire.recv_payload(sock, h, wire.MAX_HEADER * 16)
+        rec = self.store.put_meta(h["ns"], int(h["step"]), int(h["world"]), h["meta"], blob, primary=True)
+        rec.persist_url = h.get("persist_url") or rec.persist_url
+        self.work.put(("meta", h["ns"], int(h["step"]), None, rec.persist_url))
+        return {}, None
+
+    def _op_put_meta(self, sock, h):
+        blob = wire.recv_payload(sock, h, wire.MAX_HEADER * 16)
+        self.store.put_meta(h["ns"], int(h["step"]), int(h["world"]), h["meta"], blob, primary=False)
+        return {}, None
+
+    def _op_put(self, sock, h):
+        self.store.put_replica(h["ns"], int(h["step"]), int(h["world"]), int(h["rank"]), h["items"],
+                               h["nbytes"], lambda out: wire.recv_payload_into(sock, h, out))
+        return {}, None
+
+    def _op_list(self, sock, h):
+        return {"steps": self.store.listing(h["ns"])}, None
+
+    def _op_manifest(self, sock, h):
+        return self.store.manifest(h["ns"], int(h["step"])), None
+
+    def _op_fetch(self, sock, h):
+        f = self.store.file(h["ns"], int(h["step"]), int(h["rank"]))
+        off, n = int(h["offset"]), int(h["length"])
+        with open(f.path, "rb") as fh:
+            fh.seek(off)
+            return {}, fh.read(n)
+
+    def _op_gc(self, sock, h):
+        return {"removed": self.store.gc(h["ns"], int(h["keep"]))}, None
+
+    def _op_status(self, sock, h):
+        return {"namespaces": self.store.namespaces(), "events": self.events[-50:],
+                "peers": [list(p) for p in self.cfg.peers]}, None
+
+    # --- background work -------------------------------------------------------------------------
+    def _work_loop(self) -> None:
+        while True:
+            kind, ns, step, f, url = self.work.get()
+            try:
+                if kind == "file":
+                    self.store.checksum(f)
+                    self._replicate_file(ns, step, f)
+                else:
+                    self._replicate_meta(ns, step)
+                if url:
+                    self.uploads.put((kind, ns, step, f, url))
+            except Exception as e:  # a bad item must not stop the daemon
+                log.exception("background %s of step %d failed: %s", kind, step, e)
+                self._event("error", ns=ns, step=step, error=str(e))
+            finally:
+                if f is not None:
+                    with self.store.lock:
+                        self.store.lock.notify_all()
+
+    def _targets(self) -> list[tuple[str, int]]:
+        return self.cfg.peers[:max(self.cfg.replicas, 0)]
+
+    def _replicate_file(self, ns: str, step: int, f: FileRec) -> None:
+        rec = self.store.steps[ns][step]
+        with self.store.lock:
+            f.busy += 1
+        try:
+            for peer in self._targets():
+                head = {"op": "put", "ns": ns, "step": step, "world": rec.world, "rank": f.rank, "items": f.items}
+                try:
+                    with open(f.path, "rb") as fh:
+                        wire.request(peer, self.cfg.token, head, fh, timeout=60, nbytes=f.nbytes,
+                                     crc=self._file_crc(f))
+                    self._event("replicated", ns=ns, step=step, rank=f.rank, peer=list(peer))
+                except (OSError, wire.WireError) as e:
+                    log.warning("replica of step %d rank %d to %s failed: %s", step, f.rank, peer, e)
+                    self._event("replica_failed", ns=ns, step=step, rank=f.rank, error=str(e))
+        finally:
+            with self.store.lock:
+                f.busy -= 1
+
+    @staticmethod
+    def _file_crc(f: FileRec) -> int:
+        crc = 0
+        with open(f.path, "rb") as fh:
+            left = f.nbytes
+            while left:
+                chunk = fh.read(min(8 << 20, left))
+                crc = zlib.crc32(chunk, crc)
+                left -= len(chunk)
+        return crc
+
+    def _replicate_meta(self, ns: str, step: int) -> None:
+        rec = self.store.steps[ns][step]
+        for peer in self.cfg.peers:  # metadata is small: every daemon gets it
+            try:
+                wire.request(peer, self.cfg.token, {"op": "put_meta", "ns": ns, "step": step,
+                                                    "world": rec.world, "meta": rec.meta_json},
+                             rec.meta_pickle, timeout=30)
+            except (OSError, wire.WireError) as e:
+                log.warning("metadata of step %d to %s failed: %s", step, peer, e)
+
+    def _upload_loop(self) -> None:
+        while True:
+            job = self.uploads.get()
+            delay = 0.5
+            while True:  # retry with backoff until it lands: an outage must not lose the step
+                try:
+                    self._upload(*job)
+                    break
+                except Exception as e:
+                    self._event("upload_retry", ns=job[1], step=job[2], error=str(e)[:300])
+                    log.warning("upload of step %d failed (%s); retrying in %.1f s", job[2], e, delay)
+                    time.sleep(delay)
+                    delay = min(delay * 2, self.cfg.retry_max_s)
+
+    def _upload(self, kind: str, ns: str, step: int, f: FileRec | None, url: str) -> None:
+        tier = PersistentTier(url, ns)
+        rec = self.store.steps[ns][step]
+        if kind == "file":
+            with self.store.lock:
+                f.busy += 1
+            try:
+                tier.put_file(step, fmt.rank_file(f.rank), f.path, f.nbytes)
+                # the manifest goes after the data: the committer waits for every manifest
+                tier.put_json(step, fmt.rank_manifest(f.rank), f.manifest())
+                self._event("uploaded", ns=ns, step=step, rank=f.rank)
+            finally:
+                with self.store.lock:
+                    f.busy -= 1
+                    self.store.lock.notify_all()
+            return
+        tier.put_bytes(step, fmt.DCP_METADATA, rec.meta_pickle)
+        tier.put_json(step, fmt.META_JSON, rec.meta_json)
+        deadline = time.monotonic() + 3600
+        while True:
+            try:
+                tier.commit(step, rec.world)
+                break
+            except FileNotFoundError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.2)
+        rec.persisted = True
+        self._event("committed", ns=ns, step=step)
+        removed = tier.gc(self.cfg.keep_persistent)
+        if removed:
+            self._event("persistent_gc", ns=ns, removed=removed)
+
+
+def main(cfg: DaemonConfig, ready_file: str | None = None) -> None:
+    d = Daemon(cfg)
+    host, port = d.address
+    line = f"hp ckpt daemon listening on {host}:{port}"
+    print(line, flush=True)
+    if ready_file:
+        Path(ready_file).write_text(f"{host}:{port}\n")
+    d.serve_forever()

@@ -1,0 +1,153 @@
+"""The persistent tier: one fsspec URL (``s3://bucket/prefix`` through s3fs, ``file:///fsx/...`` or a
+plain path for a mounted shared filesystem such as FSx for Lustre) holding ``<namespace>/step_N/``
+directories in DCP layout (see :mod:`hp.tiered_ckpt.fmt`).
+
+Credentials and the S3 endpoint come from the usual AWS environment (``AWS_ACCESS_KEY_ID``,
+``AWS_SECRET_ACCESS_KEY``, ``AWS_ENDPOINT_URL_S3``): hp never carries secrets in its messages.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+import zlib
+from dataclasses import dataclass
+
+import fsspec
+
+from hp.tiered_ckpt import fmt
+
+_CHUNK = 32 << 20
+TIMEOUT_ENV = "HP_CKPT_S3_TIMEOUT"  # seconds before an unanswered S3 request is retried
+
+
+def open_fs(url: str) -> tuple[fsspec.AbstractFileSystem, str]:
+    """(filesystem, root path) for ``url``. S3 timeouts are short so that an outage is noticed and
+    retried by hp's backoff instead of hanging an upload for minutes inside botocore."""
+    protocol = fsspec.core.split_protocol(url)[0] or "file"
+    opts: dict = {}
+    if protocol == "s3":
+        timeout = float(os.environ.get(TIMEOUT_ENV, "20"))
+        opts = {"config_kwargs": {"connect_timeout": min(timeout, 5), "read_timeout": timeout,
+                                  "retries": {"max_attempts": 2, "mode": "standard"}},
+                "skip_instance_cache": True}
+    elif protocol in ("file", "local"):
+        opts = {"auto_mkdir": True}
+    fs, root = fsspec.core.url_to_fs(url, **opts)
+    return fs, root.rstrip("/")
+
+
+@dataclass
+class PersistentTier:
+    """Reads and writes checkpoints of one namespace under one fsspec URL."""
+
+    url: str
+    namespace: str
+
+    def __post_init__(self) -> None:
+        self.fs, self.root = open_fs(self.url)
+        self.base = f"{self.root}/{self.namespace}"
+
+    def path(self, step: int, name: str = "") -> str:
+        return f"{self.base}/{fmt.step_dir(step)}" + (f"/{name}" if name else "")
+
+    # --- writing (the node daemon's persister) --------------------------------------------------
+    def put_bytes(self, step: int, name: str, data: bytes) -> None:
+        self.fs.pipe_file(self.path(step, name), bytes(data))
+
+    def put_file(self, step: int, name: str, local_path: str, nbytes: int) -> None:
+        """Stream the first ``nbytes`` of a local (shared-memory) file to the tier."""
+        with open(local_path, "rb") as src, self.fs.open(self.path(step, name), "wb", block_size=_CHUNK) as f:
+            left = nbytes
+            while left:
+                chunk = src.read(min(_CHUNK, left))
+                if not chunk:
+                    raise OSError(f"{local_path} ended {left} bytes early")
+                f.write(chunk)
+                left -= len(chunk)
+
+    def put_json(self, step: int, name: str, obj: dict) -> None:
+        self.put_bytes(step, name, json.dumps(obj).encode())
+
+    def exists(self, step: int, name: str) -> bool:
+        return self.fs.exists(self.path(step, name))
+
+    def commit(self, step: int, world: int) -> None:
+        """Write the commit marker after checking every rank's manifest is there."""
+        missing = [r for r in range(world) if not self.exists(step, fmt.rank_manifest(r))]
+        if missing:
+            raise FileNotFoundError(f"step {step}: manifests of ranks {missing} not uploaded yet")
+        self.put_json(step, fmt.COMMIT, {"step": step, "world": world, "time": time.time()})
+
+    # --- reading ---------------------------------------------------------------------------------
+    def steps(self) -> dict[int, bool]:
+        """Every step directory → whether its commit marker is present."""
+        try:
+            entries = self.fs.ls(self.base, detail=False)
+        except FileNotFoundError:
+            return {}
+        out: dict[int, bool] = {}
+        for e in entries:
+            step = fmt.parse_step_dir(e)
+            if step is not None:
+                out[step] = self.fs.exists(self.path(step, fmt.COMMIT))
+        return out
+
+    def committed(self) -> list[int]:
+        return sorted(s for s, ok in self.steps().items() if ok)
+
+    def get_json(self, step: int, name: str) -> dict:
+        return json.loads(self.fs.cat_file(self.path(step, name)))
+
+    def manifest(self, step: int) -> tuple[dict, dict[int, dict]]:
+        """(metadata JSON, rank → file manifest) of a committed step."""
+        commit = self.get_json(step, fmt.COMMIT)
+        files = {r: self.get_json(step, fmt.rank_manifest(r)) for r in range(int(commit["world"]))}
+        return self.get_json(step, fmt.META_JSON), files
+
+    def fetch(self, step: int, rank: int, offset: int, length: int) -> bytes:
+        return self.fs.cat_file(self.path(step, fmt.rank_file(rank)), start=offset, end=offset + length)
+
+    def verify(self, step: int) -> list[str]:
+        """Problems found re-reading a step: missing marker, size or per-item CRC mismatches."""
+        problems: list[str] = []
+        if not self.exists(step, fmt.COMMIT):
+            return [f"step {step}: no commit marker (incomplete upload)"]
+        _, files = self.manifest(step)
+        for rank, man in files.items():
+            name = fmt.rank_file(rank)
+            try:
+                data = self.fs.cat_file(self.path(step, name))
+            except FileNotFoundError:
+                problems.append(f"step {step}: {name} missing")
+                continue
+            if len(data) != man["nbytes"]:
+                problems.append(f"step {step}: {name} is {len(data)} bytes, expected {man['nbytes']} (truncated?)")
+            for off, n, crc in man["items"]:
+                if zlib.crc32(data[off:off + n]) != crc:
+                    problems.append(f"step {step}: {name} item at {off}+{n}: checksum mismatch")
+        return problems
+
+    def remove(self, step: int) -> None:
+        # the commit marker goes first, so a half-deleted step is never taken for complete
+        try:
+            self.fs.rm_file(self.path(step, fmt.COMMIT))
+        except FileNotFoundError:
+            pass
+        try:
+            self.fs.rm(self.path(step), recursive=True)
+        except FileNotFoundError:
+            pass
+
+    def gc(self, keep: int) -> list[int]:
+        """Keep the newest ``keep`` committed steps; drop older steps (committed or abandoned)."""
+        steps = self.steps()
+        kept = sorted((s for s, ok in steps.items() if ok), reverse=True)[:max(keep, 0)]
+        if not kept:
+            return []
+        oldest_kept = min(kept)
+        gone = [s for s in steps if s < oldest_kept]
+        for s in gone:
+            self.remove(s)
+        return sorted(gone)

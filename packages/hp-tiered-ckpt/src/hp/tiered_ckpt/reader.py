@@ -1,0 +1,147 @@
+"""DCP ``StorageReader`` over every tier: the newest complete step, each item read from the fastest
+tier holding it and checked against that tier's per-item CRC32. A mismatch or a short read falls
+back to the next tier with a warning; when no tier has a good copy the load fails loudly
+(:class:`CheckpointCorruptError`) rather than loading bad bytes.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+import zlib
+from torch.futures import Future
+from dataclasses import dataclass
+
+import torch
+from torch.distributed.checkpoint.metadata import Metadata
+from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner
+from torch.distributed.checkpoint.storage import StorageReader
+from torch.distributed._shard._utils import narrow_tensor_by_index
+
+from hp.core.errors import HpError
+from hp.tiered_ckpt import fmt
+from hp.tiered_ckpt.sources import Source
+
+log = logging.getLogger("hp.tiered_ckpt")
+
+
+class CheckpointCorruptError(HpError):
+    """No tier holds a copy of an item whose checksum matches."""
+
+
+class NoCheckpointError(HpError):
+    """No tier holds a complete checkpoint (for the step asked for)."""
+
+
+@dataclass(frozen=True)
+class CheckpointRef:
+    """The newest complete checkpoint of a namespace: its step and the fastest tier holding it."""
+
+    step: int
+    tier: str
+    tiers: tuple[str, ...]  # every tier holding it complete, fastest first
+
+
+def find_latest(sources: list[Source], step: int | None = None) -> CheckpointRef:
+    """Newest complete step in any tier (or ``step`` itself), with the tiers that hold it."""
+    held = {s.tier: set(s.complete_steps()) for s in sources}
+    candidates = set().union(*held.values()) if held else set()
+    if step is not None:
+        candidates &= {step}
+    if not candidates:
+        what = f"step {step}" if step is not None else "any step"
+        raise NoCheckpointError(f"no complete checkpoint of {what} in tiers {[s.tier for s in sources]}")
+    best = max(candidates)
+    tiers = tuple(s.tier for s in sources if best in held[s.tier])
+    return CheckpointRef(best, tiers[0], tiers)
+
+
+class TieredReader(StorageReader):
+    def __init__(self, sources: list[Source], step: int | None = None) -> None:
+        super().__init__()
+        self.ref = find_latest(sources, step)
+        self.sources = [s for s in sources if s.tier in self.ref.tiers]
+        self._manifests: dict[str, dict[int, dict]] = {}
+        self.tiers_used: set[str] = set()
+        self.fallbacks: list[str] = []
+
+    @property
+    def step(self) -> int:
+        return self.ref.step
+
+    def reset(self, checkpoint_id=None) -> None:
+        pass
+
+    def read_metadata(self, *args, **kwargs) -> Metadata:
+        errors = []
+        for src in self.sources:
+            try:
+                meta, files = src.manifest(self.step)
+            except Exception as e:
+                errors.append(f"{src.tier}: {e}")
+                continue
+            self._manifests[src.tier] = {r: {(o, n): c for o, n, c in f["items"]} for r, f in files.items()}
+            return fmt.metadata_from_json(meta)
+        raise NoCheckpointError(f"metadata of step {self.step} unreadable: {errors}")
+
+    def set_up_storage_reader(self, metadata: Metadata, is_coordinator: bool, *args, **kwargs) -> None:
+        self.storage_data = metadata.storage_data
+
+    def prepare_local_plan(self, plan: LoadPlan) -> LoadPlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[LoadPlan]) -> list[LoadPlan]:
+        return plans
+
+    def _crcs(self, src: Source, rank: int) -> dict:
+        if src.tier not in self._manifests:
+            _, files = src.manifest(self.step)
+            self._manifests[src.tier] = {r: {(o, n): c for o, n, c in f["items"]} for r, f in files.items()}
+        return self._manifests[src.tier].get(rank, {})
+
+    def read_item(self, relative_path: str, offset: int, length: int) -> bytes:
+        rank = int(relative_path.split("_")[2])
+        problems = []
+        for src in self.sources:
+            try:
+                want = self._crcs(src, rank).get((offset, length))
+                data = src.fetch(self.step, rank, offset, length)
+            except Exception as e:
+                problems.append(f"{src.tier}: {e}")
+            else:
+                if want is None:
+                    problems.append(f"{src.tier}: no checksum for {relative_path}@{offset}")
+                elif len(data) != length:
+                    problems.append(f"{src.tier}: {relative_path}@{offset} short read {len(data)}/{length} (truncated)")
+                elif zlib.crc32(data) != want:
+                    problems.append(f"{src.tier}: {relative_path}@{offset}+{length} checksum mismatch")
+                else:
+                    self.tiers_used.add(src.tier)
+                    return data
+            log.warning("step %d: %s; trying the next tier", self.step, problems[-1])
+            self.fallbacks.append(problems[-1])
+        raise CheckpointCorruptError(f"step {self.step}: no tier has a good copy of {relative_path}@{offset}: "
+                                     + "; ".join(problems))
+
+    def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
+        for req in plan.items:
+            info = self.storage_data[req.storage_index]
+            data = self.read_item(info.relative_path, info.offset, info.length)
+            if req.type == LoadItemType.BYTE_IO:
+                planner.load_bytes(req, io.BytesIO(data))
+                continue
+            tensor = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+            tensor = narrow_tensor_by_index(tensor, req.storage_offsets, req.lengths)
+            target = planner.resolve_tensor(req).detach()
+            if target.size() != tensor.size():
+                raise CheckpointCorruptError(f"{req.storage_index.fqn}: size {tuple(tensor.size())} in the "
+                                             f"checkpoint, {tuple(target.size())} expected")
+            target.copy_(tensor)
+            planner.commit_tensor(req, target)
+        fut: Future = Future()
+        fut.set_result(None)
+        return fut
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id) -> bool:
+        return False

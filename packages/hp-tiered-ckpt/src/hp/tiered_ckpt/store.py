@@ -1,0 +1,244 @@
+"""The node daemon's memory store: staging slots, sealed files, replicas and metadata, by namespace.
+
+Files live under a directory on a tmpfs (``/dev/shm`` by default) so they survive the crash of the
+worker that wrote them. Each rank has a small pool of *slot* files that are allocated once and
+reused (a fresh page costs ~4x a copy into a warm one); a slot that holds one of the newest
+``keep`` steps, or that is being checksummed, replicated or uploaded, is never handed out.
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import shutil
+import threading
+import zlib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from hp.tiered_ckpt import fmt
+
+
+@dataclass
+class FileRec:
+    """One rank's ``.distcp`` file of one step."""
+
+    rank: int
+    path: str
+    nbytes: int
+    spans: list[list[int]]                 # [offset, length] of every item
+    items: list[list[int]] | None = None   # [offset, length, crc32] once checksummed
+    primary: bool = True                   # written on this node (False: a replica from a peer)
+    busy: int = 0                          # replication/upload in flight: the slot must not be reused
+
+    def manifest(self) -> dict:
+        return {"rank": self.rank, "nbytes": self.nbytes, "items": self.items}
+
+
+@dataclass
+class StepRec:
+    step: int
+    world: int
+    files: dict[int, FileRec] = field(default_factory=dict)
+    meta_json: dict | None = None
+    meta_pickle: bytes | None = None       # DCP's own .metadata, opaque bytes here: never unpickled
+    meta_primary: bool = False             # committed by this node's coordinator rank
+    persist_url: str | None = None
+    persisted: bool = False
+
+    def ready_ranks(self) -> list[int]:
+        return sorted(r for r, f in self.files.items() if f.items is not None)
+
+    def complete(self) -> bool:
+        return self.meta_json is not None and self.ready_ranks() == list(range(self.world))
+
+
+class MemoryStore:
+    def __init__(self, root: Path, keep: int = 2) -> None:
+        self.root = root
+        self.keep = keep
+        self.lock = threading.Condition()
+        self.steps: dict[str, dict[int, StepRec]] = {}
+        self.slots: dict[tuple[str, int], list[int | None]] = {}   # (ns, rank) -> step held by slot k
+        root.mkdir(parents=True, exist_ok=True)
+
+    def _ns_dir(self, ns: str) -> Path:
+        if not ns or "/" in ns or ns.startswith("."):
+            raise ValueError(f"bad namespace {ns!r}")
+        return self.root / ns
+
+    def slot_path(self, ns: str, rank: int, k: int) -> Path:
+        return self._ns_dir(ns) / "slots" / f"rank{rank}.{k}.buf"
+
+    def step_rec(self, ns: str, step: int, world: int) -> StepRec:
+        rec = self.steps.setdefault(ns, {}).get(step)
+        if rec is None:
+            rec = self.steps[ns][step] = StepRec(step, world)
+        return rec
+
+    def _kept_steps(self, ns: str) -> set[int]:
+        return set(sorted(self.steps.get(ns, {}), reverse=True)[:self.keep])
+
+    def acquire_slot(self, ns: str, rank: int, step: int, nbytes: int, timeout: float = 600.0) -> str:
+        """A staging file of at least ``nbytes`` for (rank, step); waits while every slot is pinned."""
+        with self.lock:
+            pool = self.slots.setdefault((ns, rank), [])
+            ok = self.lock.wait_for(lambda: self._pick(ns, rank, step, pool) is not None, timeout)
+            if not ok:
+                raise TimeoutError(f"no free staging slot for rank {rank} (all pinned by uploads)")
+            k = self._pick(ns, rank, step, pool)
+            old = pool[k] if k < len(pool) else None
+            if old is not None:
+                self._drop_file(ns, old, rank)
+            if k == len(pool):
+                pool.append(None)
+            pool[k] = step
+            path = self.slot_path(ns, rank, k)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "ab") as f:
+            if f.seek(0, os.SEEK_END) < nbytes:
+                f.truncate(nbytes)
+        return str(path)
+
+    def _pick(self, ns: str, rank: int, step: int, pool: list[int | None]) -> int | None:
+        kept = self._kept_steps(ns) - {step}
+        free = [k for k, s in enumerate(pool) if s is None or s == step]
+        if free:
+            return free[0]
+        if len(pool) < self.keep + 2:
+            return len(pool)
+        evictable = [(s, k) for k, s in enumerate(pool)
+                     if s not in kept and not self._busy(ns, s, rank)]
+        return min(evictable)[1] if evictable else None
+
+    def _busy(self, ns: str, step: int | None, rank: int) -> bool:
+        rec = self.steps.get(ns, {}).get(step) if step is not None else None
+        f = rec.files.get(rank) if rec else None
+        return bool(f and (f.busy or f.items is None))
+
+    def _drop_file(self, ns: str, step: int, rank: int) -> None:
+        rec = self.steps.get(ns, {}).get(step)
+        if rec is not None:
+            rec.files.pop(rank, None)
+            if not rec.files and not rec.meta_primary:
+                self.steps[ns].pop(step, None)
+
+    def seal(self, ns: str, rank: int, step: int, world: int, path: str, nbytes: int,
+             spans: list[list[int]], persist_url: str | None) -> FileRec:
+        with self.lock:
+            rec = self.step_rec(ns, step, world)
+            rec.persist_url = persist_url or rec.persist_url
+            f = rec.files[rank] = FileRec(rank, path, nbytes, spans)
+            self.lock.notify_all()
+            return f
+
+    def checksum(self, f: FileRec) -> None:
+        """CRC32 of every item: done here, off the training loop."""
+        with open(f.path, "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+            mv = memoryview(mm)
+            try:
+                items = [[o, n, zlib.crc32(mv[o:o + n])] for o, n in f.spans]
+            finally:
+                mv.release()
+        with self.lock:
+            f.items = items
+            self.lock.notify_all()
+
+    def put_replica(self, ns: str, step: int, world: int, rank: int, items: list[list[int]], nbytes: int,
+                    write) -> None:
+        """Store a peer's file: written to a temporary name, renamed only once complete and verified,
+        so a peer dying mid-transfer leaves the copies we already had untouched."""
+        d = self._ns_dir(ns) / "replicas" / fmt.step_dir(step)
+        d.mkdir(parents=True, exist_ok=True)
+        final = d / fmt.rank_file(rank)
+        tmp = d / (fmt.rank_file(rank) + f".partial{threading.get_ident()}")
+        try:
+            with open(tmp, "wb") as out:
+                write(out)
+            if tmp.stat().st_size != nbytes:
+                raise ValueError(f"replica is {tmp.stat().st_size} bytes, header said {nbytes}")
+            os.replace(tmp, final)
+        finally:
+            tmp.unlink(missing_ok=True)
+        with self.lock:
+            rec = self.step_rec(ns, step, world)
+            if rank in rec.files and rec.files[rank].primary:
+                return
+            rec.files[rank] = FileRec(rank, str(final), nbytes, [i[:2] for i in items], items, primary=False)
+            self._trim_replicas(ns)
+            self.lock.notify_all()
+
+    def put_meta(self, ns: str, step: int, world: int, meta_json: dict, meta_pickle: bytes,
+                 primary: bool) -> StepRec:
+        with self.lock:
+            rec = self.step_rec(ns, step, world)
+            rec.meta_json, rec.meta_pickle = meta_json, meta_pickle
+            rec.meta_primary = rec.meta_primary or primary
+            self._trim_replicas(ns)
+            self.lock.notify_all()
+            return rec
+
+    def _trim_replicas(self, ns: str) -> None:
+        """Replicas and metadata of steps older than the newest ``keep`` go (primaries go when
+        their slot is reused)."""
+        kept = self._kept_steps(ns)
+        for step, rec in list(self.steps.get(ns, {}).items()):
+            if step in kept:
+                continue
+            for r, f in list(rec.files.items()):
+                if not f.primary and not f.busy:
+                    rec.files.pop(r)
+                    Path(f.path).unlink(missing_ok=True)
+            if not any(f.primary for f in rec.files.values()) and not rec.files:
+                self.steps[ns].pop(step)
+                shutil.rmtree(self._ns_dir(ns) / "replicas" / fmt.step_dir(step), ignore_errors=True)
+
+    def gc(self, ns: str, keep: int) -> list[int]:
+        """Forget steps beyond the newest ``keep`` (slot files stay allocated for reuse)."""
+        with self.lock:
+            steps = sorted(self.steps.get(ns, {}), reverse=True)
+            gone = [s for s in steps[max(keep, 0):]
+                    if not any(f.busy for f in self.steps[ns][s].files.values())]
+            for s in gone:
+                rec = self.steps[ns].pop(s)
+                for f in rec.files.values():
+                    if not f.primary:
+                        Path(f.path).unlink(missing_ok=True)
+                for pool in (p for (n, _), p in self.slots.items() if n == ns):
+                    for k, held in enumerate(pool):
+                        if held == s:
+                            pool[k] = None
+                shutil.rmtree(self._ns_dir(ns) / "replicas" / fmt.step_dir(s), ignore_errors=True)
+            self.lock.notify_all()
+            return sorted(gone)
+
+    def listing(self, ns: str) -> list[dict]:
+        with self.lock:
+            return [{"step": s, "world": r.world, "ranks": r.ready_ranks(), "has_meta": r.meta_json is not None,
+                     "complete": r.complete(), "persisted": r.persisted}
+                    for s, r in sorted(self.steps.get(ns, {}).items())]
+
+    def manifest(self, ns: str, step: int) -> dict:
+        with self.lock:
+            rec = self.steps.get(ns, {}).get(step)
+            if rec is None:
+                raise KeyError(f"step {step} of namespace {ns!r} is not in memory here")
+            return {"world": rec.world, "meta": rec.meta_json,
+                    "files": {str(r): f.manifest() for r, f in rec.files.items() if f.items is not None}}
+
+    def file(self, ns: str, step: int, rank: int) -> FileRec:
+        with self.lock:
+            f = self.steps.get(ns, {}).get(step, StepRec(step, 0)).files.get(rank)
+            if f is None or f.items is None:
+                raise KeyError(f"rank {rank} file of step {step} ({ns!r}) is not in memory here")
+            return f
+
+    def namespaces(self) -> list[str]:
+        with self.lock:
+            return sorted(self.steps)
+
+    def write_index(self) -> None:
+        """A JSON summary next to the files, for people looking at /dev/shm."""
+        for ns in self.namespaces():
+            (self._ns_dir(ns) / "index.json").write_text(json.dumps(self.listing(ns)))

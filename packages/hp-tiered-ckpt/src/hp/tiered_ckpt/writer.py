@@ -1,0 +1,140 @@
+"""DCP ``StorageWriter`` of the memory tier: the training process only copies tensor bytes.
+
+``write_data`` lays the rank's items out as one ``.distcp`` file (tensor items as ``torch.save``
+images whose fixed prefix/suffix are written once per slot and reused), copies every tensor into
+the staging slot the node daemon handed out (a ``/dev/shm`` file mapped once and kept mapped), and
+seals it. Checksums, replication and upload happen in the daemon.
+"""
+
+from __future__ import annotations
+
+import io
+import mmap
+import os
+import pickle
+from torch.futures import Future
+
+import torch
+from torch.distributed.checkpoint.filesystem import _StorageInfo
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
+from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItemType
+from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
+
+from hp.tiered_ckpt import fmt
+from hp.tiered_ckpt.client import DaemonClient
+from hp.tiered_ckpt.config import TieredConfig
+
+
+class _Mapping:
+    """A staging file kept mapped across saves (re-mapping would page-fault every save)."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.fd = os.open(path, os.O_RDWR)
+        self.size = os.fstat(self.fd).st_size
+        self.mm = mmap.mmap(self.fd, self.size)
+        self.layout: tuple | None = None  # signature of the prefixes/suffixes written in place
+
+    def close(self) -> None:
+        self.mm.close()
+        os.close(self.fd)
+
+
+_MAPPINGS: dict[str, _Mapping] = {}
+
+
+def _mapping(path: str) -> _Mapping:
+    m = _MAPPINGS.get(path)
+    if m is not None and os.stat(path).st_size != m.size:
+        m.close()
+        m = None
+    if m is None:
+        m = _MAPPINGS[path] = _Mapping(path)
+    return m
+
+
+class TieredWriter(StorageWriter):
+    def __init__(self, cfg: TieredConfig, step: int, persist: bool | None = None) -> None:
+        super().__init__()
+        self.cfg, self.step = cfg, step
+        self.persist = (step % cfg.persist_every == 0) if persist is None else persist
+        self.client = DaemonClient(cfg.daemon_addr(), cfg.token)
+        self.rank, self.world, self.is_coordinator = 0, 1, True
+
+    def reset(self, checkpoint_id=None) -> None:
+        pass
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args, **kwargs) -> None:
+        self.is_coordinator = is_coordinator
+        self.rank = kwargs.get("rank", 0) or 0
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            self.rank, self.world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        return plan
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        return plans
+
+    def storage_meta(self) -> StorageMeta | None:
+        return StorageMeta(checkpoint_id=f"{self.cfg.namespace}/{fmt.step_dir(self.step)}")
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        tensors, blobs = [], []
+        for item in plan.items:
+            data = planner.resolve_data(item)
+            if item.type == WriteItemType.BYTE_IO:
+                blobs.append((item, data.getbuffer() if isinstance(data, io.BytesIO) else memoryview(data)))
+            else:
+                t = data.detach()
+                if t.device.type != "cpu":
+                    t = t.cpu()
+                tensors.append((item, t, fmt.tensor_image(str(t.dtype).removeprefix("torch."), tuple(t.shape))))
+        # fixed part first (tensor images), then the variable-size byte items
+        offset, placed = 0, []
+        for item, t, img in tensors:
+            placed.append((item, offset, img.size))
+            offset = fmt.align(offset + img.size)
+        for item, buf in blobs:
+            placed.append((item, offset, len(buf)))
+            offset = fmt.align(offset + len(buf))
+        size = max(offset, fmt.ALIGN)
+        path = self.client.slot(self.cfg.namespace, self.rank, self.step, size)
+        m = _mapping(path)
+        signature = tuple((o, img.prefix[-64:], len(img.prefix), img.nbytes)
+                          for (_, o, _), (_, _, img) in zip(placed, tensors))
+        if m.layout != signature:  # first save into this slot (or the model changed): write headers
+            for (_, o, _), (_, _, img) in zip(placed, tensors):
+                m.mm[o:o + len(img.prefix)] = img.prefix
+                end = o + len(img.prefix) + img.nbytes
+                m.mm[end:end + len(img.suffix)] = img.suffix
+            m.layout = signature
+        for (_, o, _), (_, t, img) in zip(placed, tensors):
+            if img.nbytes:
+                dst = torch.frombuffer(m.mm, dtype=t.dtype, count=t.numel(), offset=o + len(img.prefix))
+                dst.view(t.shape).copy_(t)
+        for (_, o, n), (_, buf) in zip(placed[len(tensors):], blobs):
+            m.mm[o:o + n] = buf
+        spans = [[o, n] for _, o, n in placed]
+        url = self.cfg.persist_url if self.persist else None
+        self.client.seal(self.cfg.namespace, self.rank, self.step, self.world, path, size, spans, url)
+        name = fmt.rank_file(self.rank)
+        results = [WriteResult(index=item.index, size_in_bytes=n, storage_data=_StorageInfo(name, o, n))
+                   for item, o, n in placed]
+        fut: Future = Future()
+        fut.set_result(results)
+        return fut
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        metadata.version = "1.0.0"
+        metadata.storage_data = {wr.index: wr.storage_data for wrs in results for wr in wrs}
+        metadata.storage_meta = self.storage_meta()
+        # pickled here, by the process that built the object, for plain-DCP readers of the
+        # persistent tier; hp itself reads the JSON form
+        blob = pickle.dumps(metadata)
+        url = self.cfg.persist_url if self.persist else None
+        self.client.commit(self.cfg.namespace, self.step, self.world, fmt.metadata_to_json(metadata), blob, url)
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id) -> bool:
+        return False

@@ -1,0 +1,110 @@
+"""Reading picks the newest complete step and checks every item's CRC: a bit-flipped or truncated
+shard falls back to the next tier with a warning, and with no good copy left the load fails —
+never a silent bad load. Persistent tier on a local path here (FSx-style mount)."""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from hp.core.testing import HP, wait_for
+from hp.tiered_ckpt import CheckpointCorruptError, TieredConfig, api, fmt
+
+
+def _state(step: int) -> dict:
+    g = torch.Generator().manual_seed(step)
+    return {"w": torch.randn(64, 32, generator=g), "b": torch.randn(32, generator=g), "extra": {"step": step}}
+
+
+def _blank() -> dict:
+    return {"w": torch.zeros(64, 32), "b": torch.zeros(32), "extra": {"step": -1}}
+
+
+def _same(a: dict, b: dict) -> bool:
+    return torch.equal(a["w"], b["w"]) and torch.equal(a["b"], b["b"]) and a["extra"] == b["extra"]
+
+
+@pytest.fixture
+def saved(daemons, token, tmp_path, monkeypatch):
+    """Step 5 saved to the memory tier and committed to a file:// persistent tier."""
+    monkeypatch.setenv("HP_JOB_TOKEN", token)
+    node = daemons("node0", replicas=0)
+    url = f"file://{tmp_path}/persist"
+    cfg = TieredConfig("job", daemon=node.addr, persist_url=url, persist_every=5)
+    assert api.save(_state(5), 5, cfg)
+    wait_for(lambda: node.events("committed"), 60, "the commit marker")
+    return node, cfg, tmp_path / "persist" / "job" / fmt.step_dir(5) / fmt.rank_file(0)
+
+
+def _flip(path: Path, offset: int) -> None:
+    data = bytearray(path.read_bytes())
+    data[offset] ^= 0x10
+    path.write_bytes(bytes(data))
+
+
+def _tensor_offset(node, step: int = 5) -> int:
+    """An offset inside the raw data of the first tensor item (past its torch.save header)."""
+    man = node.client.manifest("job", step)["files"]["0"]
+    off, n, _ = man["items"][0]
+    return off + n - 200
+
+
+def test_bitflip_in_memory_tier_falls_back_to_persistent_with_warning(saved, caplog):
+    node, cfg, _ = saved
+    slot = next(node.root.rglob("rank0.*.buf"))
+    _flip(slot, _tensor_offset(node))
+    sd = _blank()
+    with caplog.at_level(logging.WARNING, logger="hp.tiered_ckpt"):
+        reader = api.load(sd, cfg)
+    assert _same(sd, _state(5))
+    assert reader.ref.tier == "memory" and "persistent" in reader.tiers_used
+    assert any("checksum mismatch" in f and f.startswith("memory") for f in reader.fallbacks)
+    assert "trying the next tier" in caplog.text
+
+
+def test_truncated_persisted_shard_is_detected_and_never_loaded(saved):
+    node, cfg, persisted = saved
+    data = persisted.read_bytes()
+    persisted.write_bytes(data[: len(data) // 2])
+    verify = subprocess.run([*HP, "ckpt", "verify", "job", "--url", cfg.persist_url], capture_output=True, text=True)
+    assert verify.returncode == 1 and "truncated" in verify.stdout, verify.stdout + verify.stderr
+    assert node.client.gc("job", 0) == [5]  # memory copy gone: only the truncated one is left
+    sd = _blank()
+    with pytest.raises(CheckpointCorruptError, match="short read"):
+        api.load(sd, cfg)
+    assert torch.count_nonzero(sd["w"]) == 0 or not _same(sd, _state(5))
+
+
+def test_bitflipped_persisted_shard_fails_verify_and_load_uses_the_memory_copy(saved):
+    node, cfg, persisted = saved
+    _flip(persisted, _tensor_offset(node))
+    verify = subprocess.run([*HP, "ckpt", "verify", "job", "--url", cfg.persist_url], capture_output=True, text=True)
+    assert verify.returncode == 1 and "checksum mismatch" in verify.stdout
+    sd = _blank()
+    reader = api.load(sd, cfg)
+    assert _same(sd, _state(5)) and reader.tiers_used == {"memory"}
+    slot = next(node.root.rglob("rank0.*.buf"))  # now both copies are bad: the load must fail
+    _flip(slot, _tensor_offset(node))
+    with pytest.raises(CheckpointCorruptError, match="checksum mismatch"):
+        api.load(_blank(), cfg)
+
+
+def test_newest_complete_step_wins_and_incomplete_steps_are_skipped(saved, tmp_path):
+    node, cfg, _ = saved
+    assert api.save(_state(6), 6, TieredConfig("job", daemon=node.addr))  # memory only
+    assert api.latest(cfg).step == 6 and api.latest(cfg).tiers == ("memory",)
+    # a persisted step without its commit marker (upload cut short) is never picked
+    step9 = tmp_path / "persist" / "job" / fmt.step_dir(9)
+    step9.mkdir(parents=True)
+    (step9 / fmt.rank_file(0)).write_bytes(b"partial")
+    node.client.gc("job", 0)
+    ref = api.latest(cfg)
+    assert (ref.step, ref.tier) == (5, "persistent")
+    sd = _blank()
+    api.load(sd, cfg)
+    assert _same(sd, _state(5))

@@ -1,0 +1,77 @@
+"""Memory tier: the node daemon owns sealed shards, so a SIGKILLed worker loses nothing; a killed
+daemon (node loss) is covered by the replica its peer holds; a peer dying mid-transfer corrupts
+nothing the receiver already had."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import struct
+import zlib
+from pathlib import Path
+
+from hp.core.auth import encode_request
+from hp.core.testing import wait_for
+from hp.tiered_ckpt import wire
+
+
+def test_worker_sigkill_after_save_restores_from_memory_tier(daemons, ranks, shm):
+    node = daemons("node0", replicas=0)
+    ready = shm / "saved"
+    job = ranks(1, ["save", "--ns", "job", "--daemon", node.addr, "--steps", "1,2", "--ready-file", str(ready)])
+    wait_for(lambda: Path(f"{ready}.0").exists(), 120, "the worker's saves")
+    os.kill(job.procs[0].pid, signal.SIGKILL)  # the worker dies right after its save returned
+    job.procs[0].wait()
+    out = ranks(1, ["load", "--ns", "job", "--daemon", node.addr]).results()
+    assert (out[0]["step"], out[0]["tier"], out[0]["tiers_used"], out[0]["ok"]) == (2, "memory", ["memory"], True)
+
+
+def test_node_daemon_killed_restores_from_peer_replica(daemons, ranks):
+    b = daemons("nodeB", replicas=1)
+    a = daemons("nodeA", replicas=1, peers=[b.addr])
+    ranks(2, ["save", "--ns", "job", "--daemon", a.addr, "--peers", b.addr, "--steps", "3"]).results()
+    wait_for(lambda: any(s["step"] == 3 and s["complete"] for s in b.client.steps("job")), 60,
+             "node B holding a complete replica of step 3")
+    a.kill()  # node A's memory is gone
+    out = ranks(2, ["load", "--ns", "job", "--daemon", a.addr, "--peers", b.addr]).results()
+    assert [(o["step"], o["tier"], o["tiers_used"], o["ok"]) for o in out] == [(3, "peer", ["peer"], True)] * 2
+
+
+def _put(node, token: str, step: int, payload: bytes, send: int | None = None) -> None:
+    """A peer's replica upload; ``send`` < len(payload) makes the peer die mid-transfer."""
+    head = {"op": "put", "ns": "job", "step": step, "world": 1, "rank": 0,
+            "items": [[0, len(payload), zlib.crc32(payload)]], "nbytes": len(payload), "crc": zlib.crc32(payload)}
+    body, sig = encode_request(token, head)
+    with socket.create_connection(("127.0.0.1", node.port)) as s:
+        s.sendall(struct.pack(">I", len(body)) + sig.encode() + body + payload[:send])
+        if send is None:
+            assert wire.recv_header(s, token)["ok"]
+
+
+def test_dead_peer_mid_transfer_leaves_existing_copies_intact(daemons, token):
+    node = daemons("node0", replicas=0)
+    good = os.urandom(3 << 20)
+    _put(node, token, 1, good)
+    _put(node, token, 1, os.urandom(3 << 20), send=1 << 20)  # same step, peer dies after 1 MiB
+    _put(node, token, 2, os.urandom(3 << 20), send=1 << 20)  # a new step, peer dies after 1 MiB
+    wait_for(lambda: "peer closed the connection" in node.output(), 30, "the daemon to notice the dead peer")
+    assert node.client.fetch("job", 1, 0, 0, len(good)) == good
+    assert [s["step"] for s in node.client.steps("job")] == [1]
+    assert not list(node.root.rglob("*.partial*"))
+
+
+def test_unsigned_and_wrongly_signed_requests_are_refused(daemons):
+    node = daemons("node0", replicas=0)
+    from hp.tiered_ckpt.client import DaemonClient
+
+    try:
+        DaemonClient(("127.0.0.1", node.port), "not-the-job-token").steps("job")
+        raise AssertionError("a wrong token was accepted")
+    except wire.WireError as e:
+        assert "closed" in str(e)
+    with socket.create_connection(("127.0.0.1", node.port)) as s:  # oversized header: refused, not allocated
+        s.sendall(struct.pack(">I", 1 << 30))
+        assert s.recv(10) == b""
+    wait_for(lambda: "authentication failed" in node.output() and "exceeds" in node.output(), 30, "refusals logged")
+    assert node.client.ping()
