@@ -59,6 +59,45 @@ def _add_recovery(bench: argparse._SubParsersAction) -> None:
     p.set_defaults(handler=_recovery)
 
 
+def _goodput(args: argparse.Namespace) -> int:
+    try:
+        from hp.chaos.bench_goodput import GoodputConfig, format_table, run_bench
+        from hp.checkpointless.demo.model import MODEL_SIZES
+    except ImportError as e:
+        raise UsageError(f"hp bench goodput needs hp-checkpointless and torch ({e}); "
+                         "pip install packages/hp-checkpointless") from None
+    if args.model_size not in MODEL_SIZES:
+        raise UsageError(f"--model-size must be one of {sorted(MODEL_SIZES)}, got {args.model_size!r}")
+    if args.nproc < 2 or args.spares < 1:
+        raise UsageError("--nproc must be >= 2 and --spares >= 1 (faults go through spares)")
+    if not 0 < args.fault_every < args.duration or args.baseline <= 0 or args.corpus_mb < 1:
+        raise UsageError("need 0 < --fault-every < --duration, --baseline > 0 and --corpus-mb >= 1")
+    cfg = GoodputConfig(duration_s=args.duration, fault_every_s=args.fault_every, baseline_s=args.baseline,
+                        nproc=args.nproc, spares=args.spares, model_size=args.model_size,
+                        corpus_mb=args.corpus_mb, seed=args.seed, log_dir=args.log_dir)
+    result = run_bench(cfg)
+    print(format_table(result), flush=True)
+    if args.json:
+        print(json.dumps(result), flush=True)
+    return 0 if result["completed"] else 1
+
+
+def _add_goodput(bench: argparse._SubParsersAction) -> None:
+    p = bench.add_parser("goodput", help="goodput while a random rank is SIGKILLed every N s (spares replenished), "
+                                         "against the fault-free step rate of the same job")
+    p.add_argument("--duration", type=float, default=300.0, help="seconds of training under faults")
+    p.add_argument("--fault-every", type=float, default=30.0, help="seconds between two SIGKILLs")
+    p.add_argument("--baseline", type=float, default=30.0, help="seconds of fault-free training for the step rate")
+    p.add_argument("--nproc", type=int, default=4)
+    p.add_argument("--spares", type=int, default=1, help="hot spares; each promoted one is replaced")
+    p.add_argument("--model-size", default="tiny", help="tiny | small | 25m")
+    p.add_argument("--corpus-mb", type=int, default=16)
+    p.add_argument("--seed", type=int, default=0, help="picks the ranks killed")
+    p.add_argument("--log-dir", default=None, help="default: a new temporary directory")
+    p.add_argument("--json", action="store_true", help="last stdout line: one JSON object")
+    p.set_defaults(handler=_goodput)
+
+
 def _chaos_run(args: argparse.Namespace) -> int:
     try:
         from hp.chaos.report import format_table
@@ -75,6 +114,12 @@ def _chaos_run(args: argparse.Namespace) -> int:
         result = run_scenario(scenario, log_dir=args.log_dir)
     except NotImplementedError as e:
         raise UsageError(f"scenario {args.file}: not supported yet: {e}") from None
+    except RuntimeError as e:
+        from hp.chaos.topology import TopologyError
+
+        if not isinstance(e, TopologyError):
+            raise
+        raise UsageError(f"scenario {args.file}: cannot build the node namespaces: {e}") from None
     out = args.out or os.path.join(result["log_dir"], "result.json")
     write_result(result, out)
     print(format_table(result), flush=True)
@@ -141,4 +186,5 @@ def hp_cli_commands(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("bench", help="benchmarks of hp against the traditional ways to do the same")
     bench = p.add_subparsers(title="benchmarks", metavar="BENCHMARK", required=True)
     _add_recovery(bench)
+    _add_goodput(bench)
     _add_chaos(subparsers)

@@ -25,7 +25,7 @@ from hp.chaos.scenario import JobSpec
 from hp.checkpointless.demo.run import DemoConfig, RunResult, job_command
 from hp.checkpointless.events import EventLog, read_events
 from hp.core import auth
-from hp.core.testing import free_port, kill_tagged
+from hp.core.testing import HP, free_port, kill_tagged
 
 POLL_S = 0.02
 TAG_ENV = "HP_CHAOS_RUN"  # every process of a run inherits it: stragglers are found and killed by it
@@ -45,8 +45,19 @@ def node_command(job: JobSpec, cfg: DemoConfig, log_dir: str, node: int, endpoin
     if job.replenish_spares:
         flags.append("--replenish-spares")
     if job.nodes > 1:
-        flags += ["--nnodes", str(job.nodes), "--node-rank", str(node), "--rdzv-endpoint", endpoint]
+        flags += ["--nnodes", str(job.nodes), "--node-rank", str(node)]
+    if endpoint:
+        flags += ["--rdzv-endpoint", endpoint]
+    if job.controller == "standalone":
+        flags.append("--external-controller")
     return [*cmd[:run], *flags, *cmd[run:]]
+
+
+def controller_command(job: JobSpec, host: str, port: int, log_dir: str) -> list[str]:
+    """A standalone ``hp controller`` (and its store) for the job, as on Kubernetes."""
+    return [*HP, "controller", "--nnodes", str(job.nodes), "--host", host, "--port", str(port),
+            "--max-restarts", str(job.max_restarts), "--heartbeat-timeout", str(job.heartbeat_timeout_s),
+            "--decision-log", os.path.join(log_dir, "controller_decisions.jsonl")]
 
 
 class _Tail:
@@ -82,6 +93,7 @@ class Live:
     storage: Any = None
     topology: Any = None
     spares_per_node: int = 1
+    controller: subprocess.Popen | None = None  # a standalone `hp controller`, else node 0's agent hosts it
     _committed: int = -1
     _spares: dict[str, int] = field(default_factory=dict)
 
@@ -103,7 +115,7 @@ class Live:
         return self._spares.get(f"n{spare // per_node}s{spare % per_node}")
 
     def controller_pid(self) -> int | None:
-        return self.agents[0].pid  # node 0's agent hosts the controller
+        return (self.controller or self.agents[0]).pid
 
     def record(self, event: str, **fields: Any) -> None:
         self.log.record(event, **fields)
@@ -135,9 +147,15 @@ def run_job(job: JobSpec, log_dir: str, hp_faults: list[dict], actions: list[Act
             base_env.setdefault(auth.TOKEN_ENV, auth.new_token())
         out = stack.enter_context(open(os.path.join(log_dir, "job.out"), "w"))
         node_dirs = [log_dir] if job.nodes == 1 else [os.path.join(log_dir, f"node{i}") for i in range(job.nodes)]
-        endpoint = f"{topo.address(0)}:{free_port()}" if topo else None
-        agents = []
+        host = topo.address(0) if topo else "127.0.0.1"
+        endpoint = f"{host}:{free_port()}" if topo or job.controller == "standalone" else None
+        agents, controller = [], None
         start = time.monotonic()
+        if job.controller == "standalone":
+            base_env.setdefault(auth.TOKEN_ENV, auth.new_token())
+            argv = controller_command(job, host, int(endpoint.rsplit(":", 1)[1]), node_dirs[0])
+            kw = {"stdout": out, "stderr": subprocess.STDOUT, "start_new_session": True}
+            controller = topo.run_in(0, argv, base_env, **kw) if topo else subprocess.Popen(argv, env=base_env, **kw)
         for i, node_dir in enumerate(node_dirs):
             argv = node_command(job, cfg, node_dir, i, endpoint)
             if topo:
@@ -147,12 +165,12 @@ def run_job(job: JobSpec, log_dir: str, hp_faults: list[dict], actions: list[Act
                 agents.append(subprocess.Popen(argv, env=base_env, stdout=out, stderr=subprocess.STDOUT,
                                                start_new_session=True))
         live = Live(agents, _Tail([os.path.join(d, "events") for d in node_dirs]),
-                    EventLog(os.path.join(node_dirs[0], "events"), "chaos"), storage, topo, job.spares)
+                    EventLog(os.path.join(node_dirs[0], "events"), "chaos"), storage, topo, job.spares, controller)
         try:
             timed_out, errors = _watch(live, list(actions), start + job.timeout_s)
         finally:
             live.log.close()
-            orphans = _reap(agents, tag)
+            orphans = _reap(agents + ([controller] if controller else []), tag)
         wall = time.monotonic() - start
     with open(os.path.join(log_dir, "job.out")) as f:
         output = f.read()

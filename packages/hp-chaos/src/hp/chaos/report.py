@@ -44,6 +44,8 @@ def format_table(r: dict) -> str:
     for f in r["faults"]:
         rows.append((f["fault"], ("recovery " + _secs(f["recovery_s"])) if f["fired"] else "NEVER FIRED"))
         rows += [(f"  {name}", f"{secs * 1000:.0f} ms") for name, secs in f["phases"].items()]
+    if r.get("orphans_killed"):
+        rows.append(("orphans", f"{r['orphans_killed']} processes outlived their agent (killed by the harness)"))
     rows += [("unmet", msg) for msg in r["failures"]]
     if r.get("log_dir"):
         rows.append(("logs", r["log_dir"]))

@@ -38,6 +38,7 @@ class JobSpec:
     hang_timeout_s: float = 10.0  # agent's heartbeat silence before a rank counts as hung
     max_restarts: int = 0  # process restarts per rank when no spare is left
     heartbeat_timeout_s: float = 30.0  # controller: a node silent this long is lost (hp run's default)
+    controller: str = "agent"  # agent: hosted by node 0's agent | standalone: its own `hp controller` process
     replenish_spares: bool = False  # agents start a new spare when one is promoted (hp run --replenish-spares)
     corpus_mb: int = 2
     timeout_s: float = 240.0  # a hang guard per job, not a measurement
@@ -118,6 +119,8 @@ def parse_scenario(raw: Any, source: str | None = None) -> Scenario:
     job = _typed(JobSpec, raw.get("job", {}), "job")
     from hp.checkpointless.demo.model import MODEL_SIZES
 
+    if job.controller not in ("agent", "standalone"):
+        raise ScenarioError("job.controller", f"must be 'agent' or 'standalone', got {job.controller!r}")
     if job.model not in MODEL_SIZES:
         raise ScenarioError("job.model", f"must be one of {sorted(MODEL_SIZES)}, got {job.model!r}")
     raw_faults = raw.get("faults")
