@@ -187,6 +187,17 @@ def test_sharded_job_survives_an_exception_and_a_restarted_process(reference, jo
     assert [e["rank"] for e in result.events if e["event"] == "shard_rebuilt"] == [0]
 
 
+def test_sharded_job_survives_a_second_failure_during_hydration(reference, job_env, tmp_path):
+    """Rank 3 dies while rank 1's replacement is being hydrated: rank 3's shard is still at its buddy
+    (rank 0), and the buddy of rank 1 keeps its copy until a transfer completes."""
+    faults = [{"at_step": AT, "phase": "forward", "kind": "kill", "rank": 1},
+              {"at_step": AT - 1, "phase": "hydration", "kind": "kill", "rank": 3}]
+    result, logs = faulted(tmp_path, job_env, faults, spares=2, train_args=ZERO)
+    assert_identical(reference, result)
+    assert decisions(logs).count("promote_spare") == 2
+    assert {e["rank"] for e in result.events if e["event"] == "shard_rebuilt"} == {1, 3}
+
+
 def test_a_shard_lost_with_its_buddy_stops_the_job_naming_it(job_env, tmp_path):
     faults = [{"at_step": AT, "phase": "forward", "kind": "kill", "rank": r} for r in (1, 2)]
     result = run_job(config(spares=2, train_args=ZERO), str(tmp_path / "logs"), faults, job_env)

@@ -22,9 +22,10 @@ if TYPE_CHECKING:
 
 def replicated(ctx: Context, behind: list[int], source: int, newest: int, generation: int) -> None:
     """Replicated state: the ranks behind pull everything from the source."""
+    if behind:
+        ctx._phase(newest, "hydration")
     for r in behind:
         if ctx._rank == source:
-            ctx._phase(newest, "hydration")
             state.send_state(ctx._capture(), r)
         elif ctx._rank == r:
             # in place into our own tensors when the layouts match; a fresh process's optimizer
@@ -45,6 +46,8 @@ def sharded_optimizer(ctx: Context, v: sharded.Versions, behind: list[int], sour
     replicated rest from the source, partitions from their owners; then shards are re-replicated."""
     sh = ctx._sharded
     rebuild = sharded.plan_shard_sources(v, newest)  # ShardLost: the same verdict on every rank
+    if behind:
+        ctx._phase(newest, "hydration")
     if sharded.own_roll_forward_needed(v, ctx._rank, newest):  # missed the vote of `newest` only
         params = [p for p in ctx._model.parameters() if p.requires_grad]
         ctx._unflatten_grads(params, ctx._grads)
@@ -54,7 +57,6 @@ def sharded_optimizer(ctx: Context, v: sharded.Versions, behind: list[int], sour
                           generation=generation)
     for r, buddy in sorted(rebuild.items()):
         if ctx._rank == buddy:
-            ctx._phase(newest, "hydration")
             sh.send_for_replacement(r, v, newest, ctx._grads if ctx._grads_step == newest else None)
         elif ctx._rank == r:
             rolled = sh.receive_as_replacement(buddy, newest)
@@ -62,8 +64,6 @@ def sharded_optimizer(ctx: Context, v: sharded.Versions, behind: list[int], sour
                               generation=generation)
     for r in behind:
         if ctx._rank == source:
-            if r not in rebuild:
-                ctx._phase(newest, "hydration")
             state.send_state(_replicated_state(ctx), r)
         elif ctx._rank == r:
             _load_replicated_state(ctx, state.recv_state(source))

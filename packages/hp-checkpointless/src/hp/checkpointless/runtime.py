@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import threading
 from collections.abc import Callable, Iterator
 from datetime import timedelta
@@ -19,9 +20,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
-from hp.checkpointless import hydration, membership, sharded, state
+from hp.checkpointless import hydration, ladder, membership, sharded, state
 from hp.checkpointless.rng import capture_rng, restore_rng
 from hp.checkpointless.events import EventLog
 from hp.checkpointless.faults import FaultPlan
@@ -94,6 +96,7 @@ class Context:
         self._scheduler: Any = None
         self._factories: tuple[Callable | None, Callable | None] | None = None  # built once a group exists
         self._sharded: sharded.ShardedOptimizer | None = None
+        self._checkpoint: ladder.JobCheckpoint | None = None
         self._extra: Any = None
         self._grads: torch.Tensor | None = None  # one flat buffer, allocated once
         self._grads_step = -1  # the step whose averaged gradients `_grads` holds
@@ -138,7 +141,7 @@ class Context:
         return self._scheduler
 
     def register(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | Callable | None = None,
-                 scheduler: Any = None, extra: Any = None) -> None:
+                 scheduler: Any = None, extra: Any = None, checkpoint: ladder.JobCheckpoint | None = None) -> None:
         """Declare the training state hp keeps consistent and copies to a replacement rank.
 
         ``optimizer`` may be a factory ``f(params) -> Optimizer`` (and then ``scheduler`` a factory
@@ -146,7 +149,11 @@ class Context:
         ``torch.distributed.optim.ZeroRedundancyOptimizer`` needs (a hot spare has none before it gets a
         rank); use ``ctx.optimizer``/``ctx.scheduler`` afterwards. A ZeroRedundancyOptimizer's shards are
         replicated to a buddy rank after every step (:mod:`hp.checkpointless.sharded`).
-        ``extra``: anything with ``state_dict()``/``load_state_dict()`` returning JSON-able data."""
+        ``extra``: anything with ``state_dict()``/``load_state_dict()`` returning JSON-able data.
+        ``checkpoint``: the job-level rung (:class:`hp.checkpointless.ladder.JobCheckpoint`, e.g. over
+        hp-tiered-ckpt): saved after the commits it says are due, restored when no peer holds the state
+        or when the job starts again."""
+        self._checkpoint = checkpoint
         if callable(optimizer) and not isinstance(optimizer, torch.optim.Optimizer):
             self._factories, optimizer = (optimizer, scheduler), None
             scheduler = None
@@ -233,10 +240,11 @@ class Context:
                            loss=self.last_loss.hex())
         if not self._size_published:
             self._publish_state_size()
-        if self._sharded is not None:
-            failure = self._share_shards()
-            if failure is not None:  # the step is committed here; only peers' copies need repair
-                self._recover(step, failure)
+        failure = self._share_shards() if self._sharded is not None else None
+        if failure is not None:  # the step is committed here; only peers' copies need repair
+            self._recover(step, failure)
+        elif self._checkpoint is not None and self._checkpoint.due(int(step)):
+            self._save_checkpoint(int(step))
         return self.last_loss
 
     def _share_shards(self) -> CollectiveError | None:
@@ -327,6 +335,8 @@ class Context:
         with self._pg_lock:
             if self._pg_live:
                 self._pg_live = False
+                if self._sharded is not None:  # its reference alone would keep the group and its sockets alive
+                    self._sharded.unbind()
                 self._transport.abort()
                 self.events.record("released", generation=self.generation, rank=self._rank)
 
@@ -427,11 +437,45 @@ class Context:
         newest = int(info[0].max())
         source = int((info[0] == newest).nonzero()[0])
         behind = [r for r in range(plan.world_size) if info[0, r] < newest]
-        if sh is None:
+        if newest < 0 and self._restore("job start"):
+            pass  # a job started again: the newest checkpoint, if there is one
+        elif sh is None:
             hydration.replicated(self, behind, source, newest, plan.generation)
         else:
-            hydration.sharded_optimizer(self, sharded.Versions(*info.tolist()), behind, source, newest, plan.generation)
+            try:
+                hydration.sharded_optimizer(self, sharded.Versions(*info.tolist()), behind, source, newest,
+                                            plan.generation)
+            except sharded.ShardLost as e:  # no peer has it: down the ladder, if there is a checkpoint
+                if not self._restore(str(e)):
+                    raise
         self.events.record("resumed", rank=self._rank, step=self.committed, generation=plan.generation)
+
+    def _restore(self, why: str) -> bool:
+        """Job-level rung: every rank loads the newest checkpoint (a collective decision)."""
+        found = ladder.restore(self) if self._checkpoint is not None else None
+        if found is None:
+            return False
+        step, tier = found
+        self.committed, self._rng = step, capture_rng()
+        if self._sharded is not None:
+            self._sharded.replicate(self._rank, self._collective)
+        self.events.record("restored", rank=self._rank, step=step, tier=tier, why=why[:300], generation=self.generation)
+        if self._rank == 0:
+            print(f"hp: restored step {step} from the {tier} tier ({why})", file=sys.stderr, flush=True)
+        return True
+
+    def _save_checkpoint(self, step: int) -> None:
+        """After a commit, when due. A failed save costs that checkpoint, never the training: storage
+        trouble is not a peer failure, and a peer that died in DCP's collectives is caught by the next
+        step's (the watch thread has seen the new generation by then)."""
+        try:
+            ladder.save(self, step)
+            return
+        except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException
+            error = f"{type(e).__name__}: {str(e)[:300]}"
+        self.events.record("checkpoint_failed", rank=self._rank, step=step, error=error)
+        if self._rank == 0:
+            print(f"hp: warning: checkpoint of step {step} failed, training goes on: {error}", file=sys.stderr, flush=True)
 
     def _capture(self) -> dict:
         extra = self._extra.state_dict() if self._extra is not None else None

@@ -107,6 +107,11 @@ class ShardedOptimizer:
                 f"re-partitioning for rank {rank} of {world_size} (elastic resizing) is not supported yet")
         self.zero.process_group = dist.group.WORLD
 
+    def unbind(self) -> None:
+        """Drop the reference to a failed group, so that destroying it really closes its sockets
+        (peers blocked in one of its collectives are released only then)."""
+        self.zero.process_group = None
+
     # ---- shards -------------------------------------------------------------------------
     def shard(self) -> dict:
         """This rank's shard as live tensors (valid as a send payload, not as a receive template)."""

@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
 from hp.core.errors import HpError
 from hp.tiered_ckpt.config import TieredConfig
@@ -26,7 +27,10 @@ def save(state_dict: dict, step: int, cfg: TieredConfig) -> bool:
     if step % cfg.memory_every != 0 and not persist:
         return False
     try:
-        dcp.save(state_dict, storage_writer=TieredWriter(cfg, step, persist=persist))
+        # no plan caching: DCP's cache is per process, so after a rank was replaced (checkpointless
+        # recovery) the coordinator's "plan unchanged" sends a fresh process to a cache it lacks (KeyError)
+        dcp.save(state_dict, storage_writer=TieredWriter(cfg, step, persist=persist),
+                 planner=DefaultSavePlanner(enable_plan_caching=False))
     except CheckpointException as e:
         _reraise(e, f"save of step {step} to the node daemon at {cfg.daemon} failed")
     return True

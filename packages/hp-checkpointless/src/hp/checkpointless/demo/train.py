@@ -26,6 +26,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dropout", type=float, default=0.1)
     p.add_argument("--corpus-mb", type=int, default=16)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--checkpoint", metavar="NAMESPACE", default=None,
+                   help="job-level rung: checkpoint into hp-tiered-ckpt's tiers (daemon from HP_CKPT_DAEMON)")
+    p.add_argument("--checkpoint-every", type=int, default=2)
     p.add_argument("--zero", action="store_true",
                    help="shard the optimizer state (torch ZeroRedundancyOptimizer) instead of replicating it")
     return p.parse_args(argv)
@@ -44,12 +47,18 @@ def main(ctx) -> None:
     def make_scheduler(optimizer):
         return torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=args.steps)
 
+    checkpoint = None
+    if args.checkpoint:  # optional: hp-checkpointless does not depend on hp-tiered-ckpt
+        from hp.tiered_ckpt import TieredConfig
+        from hp.tiered_ckpt.rung import TieredRung
+
+        checkpoint = TieredRung(TieredConfig.from_env(args.checkpoint, memory_every=args.checkpoint_every))
     if args.zero:  # built by hp once the process group exists (a spare has none yet)
         ctx.register(model, lambda params: ZeroRedundancyOptimizer(params, torch.optim.AdamW, lr=3e-3),
-                     make_scheduler)
+                     make_scheduler, checkpoint=checkpoint)
     else:
         optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
-        ctx.register(model, optimizer, make_scheduler(optimizer))
+        ctx.register(model, optimizer, make_scheduler(optimizer), checkpoint=checkpoint)
 
     for step in ctx.steps(args.steps):
         with step:
