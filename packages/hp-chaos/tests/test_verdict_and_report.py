@@ -116,3 +116,15 @@ def test_hp_chaos_report_bad_input_is_one_line_exit_2(tmp_path, content, message
     out = subprocess.run([*HP, "chaos", "report", str(path)], capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and out.stderr.count("\n") == 1 and message in out.stderr, out.stderr
     assert not (tmp_path / "r.png").exists()
+
+
+def test_an_absorbed_fault_lasts_until_its_own_step_commits():
+    """A fast rank can enter step 4 (and go slow there) before rank 0 has recorded step 3's commit."""
+    ev = [commit(float(s), s, 5.0 - s / 10) for s in range(8)]
+    ev.append({"t": 2.95, "event": "fault_injected", "kind": "slow", "phase": "forward", "step": 4, "rank": 3,
+               "pid": 9})
+    run = JobRun(RunResult(0, 9.0, sorted(ev, key=lambda e: e["t"]), ""), False, 0, [])
+    r = evaluate(parse_scenario({**SCENARIO, "faults": [{"at_step": 4, "kind": "slow", "target": "rank:3"}],
+                                 "expect": {"recoveries": 0}}), reference(), run)
+    assert r["passed"] and r["recovery_s"] == [pytest.approx(4.0 - 2.95)]
+    assert r["faults"][0]["phases"] == {"replay": pytest.approx(1.05)}

@@ -105,6 +105,12 @@ def _matches(spec: FaultSpec, event: dict) -> bool:
             and event.get("step") == spec.at_step and event.get("phase") == spec.phase)
 
 
+def _next_commit(events: list[dict], t0: float, step: int) -> float | None:
+    """Seconds from ``t0`` to rank 0's first commit of ``step`` or a later one."""
+    return next((e["t"] - t0 for e in events if e["event"] == "commit" and e.get("rank") == 0
+                 and e["t"] >= t0 and e["step"] >= step), None)
+
+
 def goodput(reference: RunResult, faulted: RunResult) -> float | None:
     ref = {e["step"]: e["t"] for e in reference.events if e["event"] == "commit" and e.get("rank") == 0}
     got = [e for e in faulted.events if e["event"] == "commit" and e.get("rank") == 0]
@@ -134,9 +140,17 @@ def evaluate(scenario: Scenario, reference: RunResult, run: JobRun) -> dict:
     for spec in scenario.faults:
         j = next((j for j, e in enumerate(injected) if _matches(spec, e)), None)
         entry = timeline[j] if j is not None else {"recovery_s": None, "phases": {}}
+        phases, recovery = dict(entry["phases"]), None
+        if j is not None:
+            recovery = _next_commit(events, injected[j]["t"], spec.at_step)
+            if list(phases) == ["replay"]:
+                # nothing failed: rank 0 may still have been committing the previous step when a
+                # faster rank entered the fault's step; the fault's cost ends at its step's commit
+                phases["replay"] = recovery
         faults.append({"fault": spec.label(), "fired": j is not None, "step": spec.at_step,
                        "t": injected[j]["t"] if j is not None else None,
-                       "recovery_s": entry["recovery_s"], "phases": entry["phases"]})
+                       "recovery_s": recovery if list(phases) == ["replay"] else entry["recovery_s"],
+                       "phases": phases})
     recoveries = len({e["generation"] for e in events if e["event"] == "failure_detected"})
     gp = goodput(reference, faulted)
     failures: list[str] = []
