@@ -87,7 +87,7 @@ def pids_in_netns(path: str) -> list[int]:
     return found
 
 
-def _kill_netns_processes(path: str) -> int:
+def _kill_netns_processes(path: str) -> set[int]:
     """SIGSTOP everything in the namespace first (no process can react to a neighbour's death,
     e.g. an agent reporting its dying workers), then SIGKILL; repeated until nothing is left."""
     killed: set[int] = set()
@@ -103,7 +103,7 @@ def _kill_netns_processes(path: str) -> int:
                     pass
         killed.update(pids)
         time.sleep(0.01)
-    return len(killed)
+    return killed
 
 
 def _alive(pid: int) -> bool:
@@ -219,8 +219,8 @@ class Topology:
             if node == i and p.poll() is None:
                 p.kill()
                 p.wait()
-                killed += 1
-        return killed
+                killed.add(p.pid)
+        return len(killed)
 
     # ---- network faults -----------------------------------------------------------------
     def partition(self, a: int, b: int, mode: str = "drop") -> None:

@@ -1,0 +1,144 @@
+"""The `hp demo` training job on several "nodes": one ``hp run`` agent per network namespace.
+
+Each node runs :func:`hp.checkpointless.demo.run.job_command` with ``--nnodes/--node-rank/
+--rdzv-endpoint`` added, inside its namespace of a :class:`~hp.chaos.topology.Topology`, with gloo on
+the node's veth. Node 0 hosts the controller and the store on its address. Every node logs to its
+own directory; :meth:`MultiNodeJob.result` merges their event logs into one
+:class:`~hp.checkpointless.demo.run.RunResult`, so ``compare`` and friends work unchanged.
+
+    with Topology(2) as topo:
+        job = MultiNodeJob(topo, DemoConfig(nproc=1, steps=30), root, spares=[1, 1]).start()
+        job.wait_for_step(5); topo.kill_node(1)
+        result = job.wait()
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import time
+import uuid
+
+from hp.chaos.topology import Topology
+from hp.checkpointless.demo.run import DemoConfig, RunResult, job_command
+from hp.checkpointless.events import read_events
+from hp.core import auth
+
+CONTROLLER_PORT = 29400  # each namespace has its own ports: a fixed one cannot collide
+
+
+def node_command(cfg: DemoConfig, log_dir: str, nnodes: int, node_rank: int, endpoint: str,
+                 agent_flags: list[str]) -> list[str]:
+    """``job_command`` of one node: the multi-node flags go right after ``hp run``."""
+    cmd = job_command(cfg, log_dir)
+    at = cmd.index("run") + 1
+    return [*cmd[:at], "--nnodes", str(nnodes), "--node-rank", str(node_rank), "--rdzv-endpoint", endpoint,
+            *agent_flags, *cmd[at:]]
+
+
+class MultiNodeJob:
+    """One demo job across every node of ``topo``; ``spares[i]`` hot spares on node ``i``."""
+
+    def __init__(self, topo: Topology, cfg: DemoConfig, root: str, spares: list[int] | None = None,
+                 faults: list[dict] | None = None, extra_env: dict[str, str] | None = None,
+                 agent_flags: list[str] | None = None) -> None:
+        self.topo, self.cfg, self.root = topo, cfg, root
+        self.spares = spares if spares is not None else [cfg.spares] * topo.nodes
+        if len(self.spares) != topo.nodes:
+            raise ValueError(f"spares: one count per node ({topo.nodes}), got {self.spares}")
+        self.faults = faults or []
+        self.extra_env = extra_env or {}
+        self.agent_flags = agent_flags or []
+        self.procs: list[subprocess.Popen] = []
+        self.exit_times: dict[int, float] = {}  # node -> time.time() its agent was seen gone
+        self._start = 0.0
+
+    def log_dir(self, node: int) -> str:
+        return os.path.join(self.root, f"node{node}")
+
+    def start(self) -> MultiNodeJob:
+        os.makedirs(self.root, exist_ok=True)
+        endpoint = f"{self.topo.address(0)}:{CONTROLLER_PORT}"
+        env = {**os.environ, "HP_FAULTS": json.dumps(self.faults), auth.TOKEN_ENV: auth.new_token(),
+               **self.extra_env}
+        run_id = uuid.uuid4().hex[:12]
+        self._start = time.monotonic()
+        for i in range(self.topo.nodes):
+            cfg = dataclasses.replace(self.cfg, spares=self.spares[i])
+            cmd = node_command(cfg, self.log_dir(i), self.topo.nodes, i, endpoint,
+                               ["--run-id", run_id, *self.agent_flags])
+            out = open(os.path.join(self.root, f"node{i}.out"), "w")
+            self.procs.append(self.topo.run_in(i, cmd, {**env, "GLOO_SOCKET_IFNAME": self.topo.ifname(i)},
+                                               stdout=out, stderr=subprocess.STDOUT))
+            out.close()  # the child has its own copy
+        return self
+
+    def events(self) -> list[dict]:
+        events = [e for i in range(self.topo.nodes) for e in read_events(os.path.join(self.log_dir(i), "events"))]
+        return sorted(events, key=lambda e: e["t"])
+
+    def committed(self) -> int:
+        """The newest step rank 0 committed so far (-1 before the first)."""
+        return max((e["step"] for e in self.events() if e["event"] == "commit" and e.get("rank") == 0), default=-1)
+
+    def poll(self) -> None:
+        for i, p in enumerate(self.procs):
+            if p.poll() is not None and i not in self.exit_times:
+                self.exit_times[i] = time.time()
+
+    def wait_for_step(self, step: int, timeout: float = 120) -> None:
+        deadline = time.monotonic() + timeout
+        while self.committed() < step:
+            self.poll()
+            if self.procs[0].poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"step {step} never committed (node 0 exit {self.procs[0].poll()}):\n"
+                                   + self.output()[-3000:])
+            time.sleep(0.02)
+
+    def wait(self, timeout: float = 240) -> RunResult:
+        """Wait for every agent; the result's return code is node 0's (the controller's node)."""
+        deadline = time.monotonic() + timeout
+        while any(p.poll() is None for p in self.procs) and time.monotonic() < deadline:
+            self.poll()
+            time.sleep(0.02)
+        self.poll()
+        return self.result()
+
+    def returncodes(self) -> list[int | None]:
+        return [p.poll() for p in self.procs]
+
+    def output(self, node: int | None = None) -> str:
+        nodes = range(self.topo.nodes) if node is None else [node]
+        out = []
+        for i in nodes:
+            path = os.path.join(self.root, f"node{i}.out")
+            if os.path.exists(path):
+                with open(path) as f:
+                    out.append(f"--- node {i} ---\n{f.read()}")
+        return "\n".join(out)
+
+    def decisions(self) -> list[dict]:
+        path = os.path.join(self.log_dir(0), "controller_decisions.jsonl")
+        if not os.path.exists(path):
+            return []
+        with open(path) as f:
+            return [json.loads(line) for line in f if line.strip()]
+
+    def result(self) -> RunResult:
+        rc = self.procs[0].poll()
+        return RunResult(-1 if rc is None else rc, time.monotonic() - self._start, self.events(), self.output())
+
+
+def recovery_after(events: list[dict], t0: float) -> dict:
+    """Seconds from an external fault at ``t0`` (wall clock) to the survivors noticing it, to the
+    new generation forming, and to rank 0's first commit in it (None where it never happened)."""
+    before = [e for e in events if e["event"] == "commit" and e.get("rank") == 0 and e["t"] < t0]
+    old = before[-1]["generation"] if before else None
+    after = [e for e in events if e["t"] >= t0]
+    detect = next((e["t"] - t0 for e in after if e["event"] == "failure_detected"), None)
+    formed = next((e["t"] - t0 for e in after if e["event"] == "pg_ready" and e.get("generation") != old), None)
+    commit = next((e for e in after if e["event"] == "commit" and e.get("rank") == 0 and e["generation"] != old), None)
+    return {"detect_s": detect, "reformed_s": formed, "recovery_s": commit["t"] - t0 if commit else None,
+            "resumed_step": commit["step"] if commit else None}
