@@ -157,6 +157,9 @@ class Context:
         if callable(optimizer) and not isinstance(optimizer, torch.optim.Optimizer):
             self._factories, optimizer = (optimizer, scheduler), None
             scheduler = None
+            # the first optimizer a process builds pays torch's lazy imports (torch._dynamo, ~1 s, 4 s
+            # under load): pay them now, not while a spare is being promoted
+            torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.0)
         elif callable(scheduler) and not hasattr(scheduler, "state_dict"):
             raise UsageError("a scheduler factory needs an optimizer factory: pass optimizer=lambda params: ...")
         self._model, self._optimizer, self._scheduler, self._extra = model, optimizer, scheduler, extra

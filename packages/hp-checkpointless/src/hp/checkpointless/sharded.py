@@ -66,6 +66,9 @@ class ShardedOptimizer:
         self.replica: dict | None = None  # ward's shard (views into the active buffer)
         self.replica_version = -1
         self._buffers = [state.StateBuffer(None), state.StateBuffer(None)]
+        self._gather: torch.Tensor | None = None  # every rank's partition, flat, padded to the longest
+        self._gather_in: torch.Tensor | None = None
+        self._gather_rows: list[torch.Tensor] = []
         self._active = 0
         # where each parameter's gradient lives in the runtime's flat gradient buffer
         self._grad_slices: dict[int, tuple[int, int]] = {}
@@ -96,8 +99,32 @@ class ShardedOptimizer:
         self.version = step
 
     def sync_params(self) -> None:
-        """Every owner broadcasts its updated partition (a collective of the current group)."""
-        self.zero._sync_params()
+        """Every owner's updated partition to every rank, in ONE synchronous all-gather of flat buffers.
+
+        Not ``zero._sync_params()``: it queues one async broadcast per parameter, and after a peer dies
+        the queued ones keep gloo's worker threads blocked on live peers, so destroying the group waits
+        for the 60 s timeout instead of releasing everyone at once."""
+        world, rank = self.world_size, self.zero.rank
+        parts = [self._params_of(r) for r in range(world)]
+        longest = max(sum(p.numel() for p in ps) for ps in parts)
+        dtype = parts[rank][0].dtype if parts[rank] else next(p for ps in parts for p in ps).dtype
+        if self._gather is None or self._gather.shape != (world, longest) or self._gather.dtype != dtype:
+            # kept referenced between steps: see runtime._release_pg
+            self._gather, self._gather_in = torch.zeros(world, longest, dtype=dtype), torch.zeros(longest, dtype=dtype)
+            self._gather_rows = list(self._gather.unbind(0))
+        offset = 0
+        for p in parts[rank]:
+            self._gather_in[offset:offset + p.numel()].copy_(p.detach().reshape(-1))
+            offset += p.numel()
+        dist.all_gather(self._gather_rows, self._gather_in)
+        with torch.no_grad():
+            for r, ps in enumerate(parts):
+                if r == rank:
+                    continue
+                offset = 0
+                for p in ps:
+                    p.copy_(self._gather[r, offset:offset + p.numel()].view_as(p))
+                    offset += p.numel()
 
     def rebind(self, rank: int, world_size: int) -> None:
         """Point the optimizer at the process group of a new generation (same rank, same world)."""
