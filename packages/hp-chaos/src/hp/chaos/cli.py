@@ -60,6 +60,10 @@ def _add_recovery(bench: argparse._SubParsersAction) -> None:
 
 
 def _goodput(args: argparse.Namespace) -> int:
+    if args.nproc < 2 or args.spares < 1:
+        raise UsageError("--nproc must be >= 2 and --spares >= 1 (faults go through spares)")
+    if not 0 < args.fault_every < args.duration or args.baseline <= 0 or args.corpus_mb < 1:
+        raise UsageError("need 0 < --fault-every < --duration, --baseline > 0 and --corpus-mb >= 1")
     try:
         from hp.chaos.bench_goodput import GoodputConfig, format_table, run_bench
         from hp.checkpointless.demo.model import MODEL_SIZES
@@ -68,10 +72,6 @@ def _goodput(args: argparse.Namespace) -> int:
                          "pip install packages/hp-checkpointless") from None
     if args.model_size not in MODEL_SIZES:
         raise UsageError(f"--model-size must be one of {sorted(MODEL_SIZES)}, got {args.model_size!r}")
-    if args.nproc < 2 or args.spares < 1:
-        raise UsageError("--nproc must be >= 2 and --spares >= 1 (faults go through spares)")
-    if not 0 < args.fault_every < args.duration or args.baseline <= 0 or args.corpus_mb < 1:
-        raise UsageError("need 0 < --fault-every < --duration, --baseline > 0 and --corpus-mb >= 1")
     cfg = GoodputConfig(duration_s=args.duration, fault_every_s=args.fault_every, baseline_s=args.baseline,
                         nproc=args.nproc, spares=args.spares, model_size=args.model_size,
                         corpus_mb=args.corpus_mb, seed=args.seed, log_dir=args.log_dir)
