@@ -32,6 +32,11 @@ _EXPORTS = {
     "parse_scenario": "hp.chaos.scenario",
     "ReferenceCache": "hp.chaos.runner",
     "run_scenario": "hp.chaos.runner",
+    "Topology": "hp.chaos.topology",
+    "TopologyError": "hp.chaos.topology",
+    "cleanup_stale": "hp.chaos.topology",
+    "MultiNodeJob": "hp.chaos.multinode",
+    "GoodputConfig": "hp.chaos.bench_goodput",
 }
 
 __all__ = sorted(_EXPORTS)
