@@ -49,14 +49,19 @@ def shm():
 class DaemonProc:
     """One ``hp ckpt daemon`` subprocess (a "node")."""
 
+    # the daemon's own entry point: `hp ckpt daemon` is the same code behind the full hp CLI, whose
+    # start imports every installed hp plugin (seconds on a busy 2-core box); test_cli_wire starts that one
+    LIGHT = [sys.executable, "-m", "hp.tiered_ckpt", "--log-level", "INFO"]
+    HP_CLI = [*HP, "--log-level", "INFO", "ckpt"]
+
     def __init__(self, root: Path, token: str, env: dict, peers: list[str] = (), replicas: int = 1,
-                 keep_memory: int = 2) -> None:
+                 keep_memory: int = 2, cmd: list[str] = LIGHT) -> None:
         self.port = free_port()
         self.addr = f"127.0.0.1:{self.port}"
         self.root = root
         self.log = open(root.with_suffix(".log"), "wb")
         self.proc = subprocess.Popen(
-            [*HP, "--log-level", "INFO", "ckpt", "daemon", "--listen", self.addr, "--dir", str(root),
+            [*cmd, "daemon", "--listen", self.addr, "--dir", str(root),
              "--peers", ",".join(peers), "--replicas", str(replicas), "--keep-memory", str(keep_memory)],
             env={**env, "HP_JOB_TOKEN": token}, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
         self.client = DaemonClient(("127.0.0.1", self.port), token, timeout=10)
@@ -88,8 +93,9 @@ def daemons(shm, token):
     """``daemons(n, env=..., peers=...)`` starts node daemons; all are killed at teardown."""
     started: list[DaemonProc] = []
 
-    def start(name: str = "node0", env: dict | None = None, **kw) -> DaemonProc:
-        d = DaemonProc(shm / name, token, {**os.environ, **(env or {})}, **kw)
+    def start(name: str = "node0", env: dict | None = None, via_hp_cli: bool = False, **kw) -> DaemonProc:
+        cmd = DaemonProc.HP_CLI if via_hp_cli else DaemonProc.LIGHT
+        d = DaemonProc(shm / name, token, {**os.environ, **(env or {})}, cmd=cmd, **kw)
         started.append(d)
         return d
 

@@ -120,15 +120,12 @@ def add_bench_ckpt(bench: argparse._SubParsersAction) -> None:
     p.add_argument("--params", type=float, default=100e6, help="model parameters (default 100e6: ~1.2 GB with Adam)")
     p.add_argument("--saves", type=int, default=5, help="timed saves after warm-up")
     p.add_argument("--json", action="store_true", help="last stdout line: one JSON object")
+    p.add_argument("--url", default=None, help="S3 URL to use (default: a SeaweedFS started for the run)")
     p.add_argument("--dir", default=None, help="scratch directory (default: a new temporary one)")
     p.set_defaults(handler=_bench)
 
 
-@hookimpl(trylast=True)
-def hp_cli_commands(subparsers: argparse._SubParsersAction) -> None:
-    p = subparsers.add_parser("ckpt", help="tiered checkpoints: node daemon, list, verify, gc")
-    sub = p.add_subparsers(title="ckpt commands", metavar="CMD", required=True)
-    d = sub.add_parser("daemon", help="the per-node memory-tier daemon")
+def add_daemon_args(d: argparse.ArgumentParser) -> None:
     d.add_argument("--listen", default=os.environ.get("HP_CKPT_DAEMON", "127.0.0.1:29480"), help="HOST:PORT to bind")
     d.add_argument("--dir", default="/dev/shm/hp-ckpt", help="where shards live (a tmpfs)")
     d.add_argument("--peers", default=os.environ.get("HP_CKPT_PEERS", ""), help="other nodes' daemons, ring order")
@@ -137,6 +134,13 @@ def hp_cli_commands(subparsers: argparse._SubParsersAction) -> None:
     d.add_argument("--keep-persistent", type=int, default=3)
     d.add_argument("--ready-file", default=None, help="write HOST:PORT here once listening")
     d.set_defaults(handler=_daemon)
+
+
+@hookimpl(trylast=True)
+def hp_cli_commands(subparsers: argparse._SubParsersAction) -> None:
+    p = subparsers.add_parser("ckpt", help="tiered checkpoints: node daemon, list, verify, gc")
+    sub = p.add_subparsers(title="ckpt commands", metavar="CMD", required=True)
+    add_daemon_args(sub.add_parser("daemon", help="the per-node memory-tier daemon"))
     for name, fn, text in (("ls", _ls, "steps per tier with completeness"),
                            ("verify", _verify, "re-check commit marker, sizes and checksums"),
                            ("gc", _gc, "apply retention: keep the newest --keep complete steps")):

@@ -6,16 +6,42 @@ from hp.tiered_ckpt import wire
 
 
 class DaemonClient:
+    """Keeps one connection open (a save is three small exchanges; connecting each time costs
+    more than the exchange on a busy node) and reconnects once if the daemon dropped it."""
+
     def __init__(self, addr: tuple[str, int], token: str, timeout: float = 30.0) -> None:
         self.addr, self.token, self.timeout = addr, token, timeout
+        self._sock = None
 
     def __repr__(self) -> str:
         return f"DaemonClient({self.addr[0]}:{self.addr[1]})"
 
     def _call(self, op: str, payload: bytes | None = None, limit: int = wire.MAX_HEADER,
               timeout: float | None = None, **kw) -> tuple[dict, bytes]:
-        return wire.request(self.addr, self.token, {"op": op, **kw}, payload, limit=limit,
-                            timeout=timeout or self.timeout)
+        for attempt in (0, 1):
+            fresh = self._sock is None
+            try:
+                if fresh:
+                    self._sock = wire.connect(self.addr, self.timeout)
+                self._sock.settimeout(timeout or self.timeout)
+                return wire.exchange(self._sock, self.token, {"op": op, **kw}, payload, limit=limit)
+            except wire.RefusedError:
+                raise
+            except (OSError, wire.WireError):
+                self.close()
+                if fresh or attempt:
+                    raise
+        raise AssertionError("unreachable")
+
+    def close(self) -> None:
+        if self._sock is not None:
+            try:
+                self._sock.close()
+            finally:
+                self._sock = None
+
+    def __del__(self) -> None:
+        self.close()
 
     def ping(self) -> dict:
         return self._call("ping")[0]

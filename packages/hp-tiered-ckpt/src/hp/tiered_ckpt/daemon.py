@@ -69,26 +69,33 @@ class Daemon:
 
     # --- requests --------------------------------------------------------------------------------
     def _serve(self, sock: socket.socket) -> None:
+        """Frames until the peer hangs up: workers keep one connection open across saves."""
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        try:
-            head = wire.recv_header(sock, self.cfg.token)
-        except (wire.WireError, OSError) as e:
-            log.warning("refused a connection: %s", e)
-            return
-        op = head.get("op")
-        try:
-            handler = getattr(self, f"_op_{op}", None) if isinstance(op, str) else None
-            if handler is None:
-                raise ValueError(f"unknown op {op!r}")
-            reply, payload = handler(sock, head)
-            wire.send(sock, self.cfg.token, {"ok": True, **reply}, payload)
-        except (wire.WireError, OSError) as e:
-            log.warning("%s from %s failed: %s", op, sock.getpeername(), e)
-        except (ValueError, KeyError, TypeError, TimeoutError) as e:
+        while True:
             try:
-                wire.send(sock, self.cfg.token, {"ok": False, "error": f"{op}: {e}"})
-            except OSError:
-                pass
+                head = wire.recv_header(sock, self.cfg.token)
+            except wire.WireError as e:
+                if "closed the connection after 0 of" not in str(e):
+                    log.warning("refused a connection: %s", e)
+                return
+            except OSError as e:
+                log.warning("connection error: %s", e)
+                return
+            op = head.get("op")
+            try:
+                handler = getattr(self, f"_op_{op}", None) if isinstance(op, str) else None
+                if handler is None:
+                    raise ValueError(f"unknown op {op!r}")
+                reply, payload = handler(sock, head)
+                wire.send(sock, self.cfg.token, {"ok": True, **reply}, payload)
+            except (wire.WireError, OSError) as e:
+                log.warning("%s failed: %s", op, e)
+                return
+            except (ValueError, KeyError, TypeError, TimeoutError) as e:
+                try:
+                    wire.send(sock, self.cfg.token, {"ok": False, "error": f"{op}: {e}"})
+                except OSError:
+                    return
 
     def _op_ping(self, sock, h):
         return {"address": list(self.address)}, None

@@ -22,6 +22,18 @@ _CHUNK = 32 << 20
 TIMEOUT_ENV = "HP_CKPT_S3_TIMEOUT"  # seconds before an unanswered S3 request is retried
 
 
+def _session_without_expect_100():
+    """aiohttp waits for a "100 Continue" with no timeout at all: against a hung endpoint a
+    PUT would block forever instead of timing out and being retried. botocore adds the
+    ``Expect`` header to every S3 PUT with a body; this session does not."""
+    import aiobotocore.session
+    from botocore.handlers import add_expect_header
+
+    session = aiobotocore.session.AioSession()
+    session.unregister("before-call.s3", add_expect_header)
+    return session
+
+
 def open_fs(url: str) -> tuple[fsspec.AbstractFileSystem, str]:
     """(filesystem, root path) for ``url``. S3 timeouts are short so that an outage is noticed and
     retried by hp's backoff instead of hanging an upload for minutes inside botocore."""
@@ -30,11 +42,13 @@ def open_fs(url: str) -> tuple[fsspec.AbstractFileSystem, str]:
     if protocol == "s3":
         timeout = float(os.environ.get(TIMEOUT_ENV, "20"))
         opts = {"config_kwargs": {"connect_timeout": min(timeout, 5), "read_timeout": timeout,
-                                  "retries": {"max_attempts": 2, "mode": "standard"}},
-                "skip_instance_cache": True}
+                                  "retries": {"max_attempts": 1, "mode": "standard"}},
+                "skip_instance_cache": True, "session": _session_without_expect_100()}
     elif protocol in ("file", "local"):
         opts = {"auto_mkdir": True}
     fs, root = fsspec.core.url_to_fs(url, **opts)
+    if protocol == "s3":
+        fs.retries = 1  # hp backs off and retries; s3fs's own loop (5 by default, with sleeps) would hide an outage from hp's backoff
     return fs, root.rstrip("/")
 
 

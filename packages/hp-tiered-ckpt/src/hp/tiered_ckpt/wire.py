@@ -26,6 +26,10 @@ class WireError(Exception):
     """The peer closed the connection mid-frame, sent a bad frame, or failed authentication."""
 
 
+class RefusedError(WireError):
+    """The daemon understood the request and refused it (its reason is the message)."""
+
+
 def _recv_exact(sock: socket.socket, n: int) -> bytes:
     buf = bytearray(n)
     view = memoryview(buf)
@@ -106,18 +110,29 @@ def recv_payload_into(sock: socket.socket, head: dict, out: BinaryIO) -> None:
         raise WireError("payload CRC mismatch")
 
 
+def exchange(sock: socket.socket, token: str, header: dict, payload: bytes | BinaryIO | None = None,
+             limit: int = MAX_HEADER, crc: int | None = None, nbytes: int | None = None) -> tuple[dict, bytes]:
+    """One request/response on an open connection; raises :class:`WireError` on refusal."""
+    send(sock, token, header, payload, crc=crc, nbytes=nbytes)
+    head = recv_header(sock, token)
+    body = recv_payload(sock, head, limit)
+    if not head.get("ok"):
+        raise RefusedError(head.get("error") or "request refused")
+    return head, body
+
+
+def connect(addr: tuple[str, int], timeout: float) -> socket.socket:
+    sock = socket.create_connection(addr, timeout=timeout)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return sock
+
+
 def request(addr: tuple[str, int], token: str, header: dict, payload: bytes | BinaryIO | None = None,
             limit: int = MAX_HEADER, timeout: float = 30.0, crc: int | None = None,
             nbytes: int | None = None) -> tuple[dict, bytes]:
-    """One request/response exchange on a fresh connection; raises :class:`WireError` on refusal."""
-    with socket.create_connection(addr, timeout=timeout) as sock:
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        send(sock, token, header, payload, crc=crc, nbytes=nbytes)
-        head = recv_header(sock, token)
-        body = recv_payload(sock, head, limit)
-    if not head.get("ok"):
-        raise WireError(head.get("error") or "request refused")
-    return head, body
+    """One request/response exchange on a fresh connection."""
+    with connect(addr, timeout) as sock:
+        return exchange(sock, token, header, payload, limit, crc, nbytes)
 
 
 def parse_addr(text: str) -> tuple[str, int]:

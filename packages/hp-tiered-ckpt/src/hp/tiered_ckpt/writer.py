@@ -53,12 +53,22 @@ def _mapping(path: str) -> _Mapping:
     return m
 
 
+_CLIENTS: dict[tuple, DaemonClient] = {}
+
+
+def _client(cfg: TieredConfig) -> DaemonClient:
+    key = (cfg.daemon_addr(), cfg.token)
+    if key not in _CLIENTS:
+        _CLIENTS[key] = DaemonClient(*key)
+    return _CLIENTS[key]
+
+
 class TieredWriter(StorageWriter):
     def __init__(self, cfg: TieredConfig, step: int, persist: bool | None = None) -> None:
         super().__init__()
         self.cfg, self.step = cfg, step
         self.persist = (step % cfg.persist_every == 0) if persist is None else persist
-        self.client = DaemonClient(cfg.daemon_addr(), cfg.token)
+        self.client = _client(cfg)
         self.rank, self.world, self.is_coordinator = 0, 1, True
 
     def reset(self, checkpoint_id=None) -> None:
@@ -130,9 +140,9 @@ class TieredWriter(StorageWriter):
         metadata.storage_data = {wr.index: wr.storage_data for wrs in results for wr in wrs}
         metadata.storage_meta = self.storage_meta()
         # pickled here, by the process that built the object, for plain-DCP readers of the
-        # persistent tier; hp itself reads the JSON form
-        blob = pickle.dumps(metadata)
+        # persistent tier (only steps that get persisted need it); hp itself reads the JSON form
         url = self.cfg.persist_url if self.persist else None
+        blob = pickle.dumps(metadata) if url else b""
         self.client.commit(self.cfg.namespace, self.step, self.world, fmt.metadata_to_json(metadata), blob, url)
 
     @classmethod

@@ -1,0 +1,93 @@
+"""``hp ckpt ls|verify|gc`` on a namespace (daemon) or URL, bad input as one-line errors (exit 2),
+and the wire format's refusals."""
+
+from __future__ import annotations
+
+import json
+import socket
+
+import pytest
+
+from hp.core.auth import new_token
+from hp.tiered_ckpt import fmt, wire
+
+
+class Result:
+    def __init__(self, returncode: int, stdout: str, stderr: str) -> None:
+        self.returncode, self.stdout, self.stderr = returncode, stdout, stderr
+
+
+@pytest.fixture
+def hp(capsys):
+    """The real ``hp`` entry point, in process (a fresh interpreter per call costs seconds here)."""
+    from hp.core.cli import main
+
+    def run(*args: str) -> Result:
+        capsys.readouterr()
+        code = main(list(args))
+        out = capsys.readouterr()
+        return Result(code, out.out, out.err)
+    return run
+
+
+@pytest.mark.parametrize("args, message", [
+    (["ckpt", "ls", "job"], "exactly one of --url"),
+    (["ckpt", "ls", "job", "--url", "/x", "--daemon", "127.0.0.1:1"], "exactly one of --url"),
+    (["ckpt", "ls", "job", "--daemon", "nohostport"], "expected HOST:PORT"),
+    (["ckpt", "gc", "job", "--url", "/x", "--keep", "-1"], "--keep must be >= 0"),
+    (["ckpt", "ls", "a/b", "--url", "/x"], "bad namespace"),
+    (["ckpt", "daemon", "--listen", "127.0.0.1:1", "--replicas", "-1"], "must be >= 0"),
+    (["bench", "ckpt", "--params", "10"], "--params must be >= 1000"),
+])
+def test_bad_input_is_one_line_exit_2(args, message, monkeypatch, hp):
+    monkeypatch.setenv("HP_JOB_TOKEN", new_token())
+    r = hp(*args)
+    assert r.returncode == 2 and message in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+def test_ls_verify_gc_on_url_and_daemon(daemons, token, tmp_path, monkeypatch, hp):
+    import torch
+
+    from hp.tiered_ckpt import TieredConfig, api
+    from hp.core.testing import wait_for
+
+    monkeypatch.setenv("HP_JOB_TOKEN", token)
+    node = daemons("node0", replicas=0, via_hp_cli=True)  # `hp ckpt daemon` itself
+    url = f"file://{tmp_path}/p"
+    cfg = TieredConfig("job", daemon=node.addr, persist_url=url, persist_every=1)
+    for step in (1, 2, 3):
+        api.save({"x": torch.full((8,), float(step))}, step, cfg)
+    wait_for(lambda: (tmp_path / "p/job" / fmt.step_dir(3) / fmt.COMMIT).exists(), 60, "step 3 committed")
+    (tmp_path / "p/job" / fmt.step_dir(7)).mkdir()  # an upload that never finished
+
+    ls = json.loads(hp("ckpt", "ls", "job", "--url", url, "--json").stdout)
+    assert {r["step"]: r["complete"] for r in ls if r["step"] in (3, 7)} == {3: True, 7: False}
+    mem = json.loads(hp("ckpt", "ls", "job", "--daemon", node.addr, "--json").stdout)
+    assert [r["step"] for r in mem if r["complete"]] == [2, 3]  # keep-memory 2
+    v = hp("ckpt", "verify", "job", "--url", url, "--step", "3")
+    assert v.returncode == 0 and "step 3: ok" in v.stdout
+    v = hp("ckpt", "verify", "job", "--url", url, "--step", "7")
+    assert v.returncode == 1 and "no commit marker" in v.stdout
+
+    gc = hp("ckpt", "gc", "job", "--url", url, "--keep", "1")
+    assert gc.returncode == 0
+    left = {r["step"]: r["complete"] for r in json.loads(hp("ckpt", "ls", "job", "--url", url, "--json").stdout)}
+    assert left == {3: True, 7: False}  # older steps gone; the newer unfinished one is not ours to judge yet
+    assert json.loads(hp("ckpt", "gc", "job", "--daemon", node.addr, "--keep", "1").stdout)["removed"] == [2]
+
+
+def test_frames_are_authenticated_and_capped(daemons, token):
+    node = daemons("node0", replicas=0)
+    with socket.create_connection(("127.0.0.1", node.port)) as s:
+        wire.send(s, new_token(), {"op": "list", "ns": "job"})  # signed with another job's token
+        with pytest.raises(wire.WireError, match="closed"):
+            wire.recv_header(s, token)
+    with socket.create_connection(("127.0.0.1", node.port)) as s:
+        s.sendall((wire.MAX_HEADER + 1).to_bytes(4, "big"))
+        assert s.recv(10) == b""
+    with socket.create_connection(("127.0.0.1", node.port)) as s:  # unknown op: refused with a reason
+        with pytest.raises(wire.RefusedError, match="unknown op"):
+            wire.exchange(s, token, {"op": "format_disk"})
+        assert wire.exchange(s, token, {"op": "ping"})[0]["ok"]  # the connection stays usable
+    out = node.output()
+    assert "authentication failed" in out and "exceeds" in out
