@@ -22,7 +22,7 @@ from pathlib import Path
 
 from hp.core.auth import new_token
 from hp.core.errors import UsageError
-from hp.core.testing import HP, free_port, wait_for
+from hp.core.testing import free_port, wait_for
 
 
 def build_state(params: float):
@@ -100,7 +100,7 @@ def run_bench(params: float, saves: int, url: str | None, workdir: Path, log=pri
 
     token, port = new_token(), free_port()
     shm = Path(tempfile.mkdtemp(prefix="hp-bench-ckpt-", dir="/dev/shm"))
-    daemon = subprocess.Popen([*HP, "ckpt", "daemon", "--listen", f"127.0.0.1:{port}", "--dir", str(shm),
+    daemon = subprocess.Popen([sys.executable, "-m", "hp.tiered_ckpt", "daemon", "--listen", f"127.0.0.1:{port}", "--dir", str(shm),
                                "--replicas", "0", "--keep-memory", "1", "--keep-persistent", "1"],
                               env={**os.environ, "HP_JOB_TOKEN": token}, stdout=subprocess.DEVNULL,
                               stderr=open(workdir / "daemon.log", "wb"), start_new_session=True)

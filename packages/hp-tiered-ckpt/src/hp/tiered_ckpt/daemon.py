@@ -45,6 +45,7 @@ class Daemon:
         self.work: queue.Queue = queue.Queue()        # checksums, then replication
         self.uploads: queue.Queue = queue.Queue()     # persistent tier, never blocks the above
         self.events: list[dict] = []                  # upload attempts/failures/commits, for status
+        self._tiers: dict[tuple[str, str], PersistentTier] = {}
         daemon = self
 
         class Handler(socketserver.BaseRequestHandler):
@@ -219,13 +220,21 @@ class Daemon:
                     self._upload(*job)
                     break
                 except Exception as e:
+                    self._tiers.pop((job[4], job[1]), None)  # a fresh client after a failure
                     self._event("upload_retry", ns=job[1], step=job[2], error=str(e)[:300])
                     log.warning("upload of step %d failed (%s); retrying in %.1f s", job[2], e, delay)
                     time.sleep(delay)
                     delay = min(delay * 2, self.cfg.retry_max_s)
 
+    def _tier(self, url: str, ns: str) -> PersistentTier:
+        """One filesystem client per (url, namespace): an s3fs client costs a session setup."""
+        key = (url, ns)
+        if key not in self._tiers:
+            self._tiers[key] = PersistentTier(url, ns)
+        return self._tiers[key]
+
     def _upload(self, kind: str, ns: str, step: int, f: FileRec | None, url: str) -> None:
-        tier = PersistentTier(url, ns)
+        tier = self._tier(url, ns)
         rec = self.store.steps[ns][step]
         if kind == "file":
             with self.store.lock:

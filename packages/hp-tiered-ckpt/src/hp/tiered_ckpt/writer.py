@@ -96,9 +96,7 @@ class TieredWriter(StorageWriter):
             if item.type == WriteItemType.BYTE_IO:
                 blobs.append((item, data.getbuffer() if isinstance(data, io.BytesIO) else memoryview(data)))
             else:
-                t = data.detach()
-                if t.device.type != "cpu":
-                    t = t.cpu()
+                t = data.detach()  # a GPU tensor is copied device -> staging directly by copy_ below
                 tensors.append((item, t, fmt.tensor_image(str(t.dtype).removeprefix("torch."), tuple(t.shape))))
         # fixed part first (tensor images), then the variable-size byte items
         offset, placed = 0, []
