@@ -132,6 +132,18 @@ class MemoryStore:
     def seal(self, ns: str, rank: int, step: int, world: int, path: str, nbytes: int,
              spans: list[list[int]], persist_url: str | None) -> FileRec:
         with self.lock:
+            # only the slot this daemon handed out for (rank, step): a client cannot make the
+            # daemon read, replicate or upload any other file
+            pool = self.slots.get((ns, rank), [])
+            if not any(held == step and path == str(self.slot_path(ns, rank, k)) for k, held in enumerate(pool)):
+                raise ValueError(f"{path!r} is not the staging slot of rank {rank} step {step}")
+            size = os.path.getsize(path)
+            if not 0 < nbytes <= size or not all(
+                    isinstance(o, int) and isinstance(n, int) and 0 <= o and 0 <= n and o + n <= nbytes
+                    for o, n in spans):
+                raise ValueError(f"item spans or size ({nbytes}) outside the {size}-byte slot")
+            if world < 1 or not 0 <= rank < world:
+                raise ValueError(f"rank {rank} outside world {world}")
             rec = self.step_rec(ns, step, world)
             rec.persist_url = persist_url or rec.persist_url
             f = rec.files[rank] = FileRec(rank, path, nbytes, spans)

@@ -31,7 +31,8 @@ class _Mapping:
     def __init__(self, path: str) -> None:
         self.path = path
         self.fd = os.open(path, os.O_RDWR)
-        self.size = os.fstat(self.fd).st_size
+        st = os.fstat(self.fd)
+        self.size, self.ino = st.st_size, st.st_ino
         self.mm = mmap.mmap(self.fd, self.size)
         self.layout: tuple | None = None  # signature of the prefixes/suffixes written in place
 
@@ -45,7 +46,8 @@ _MAPPINGS: dict[str, _Mapping] = {}
 
 def _mapping(path: str) -> _Mapping:
     m = _MAPPINGS.get(path)
-    if m is not None and os.stat(path).st_size != m.size:
+    st = os.stat(path)
+    if m is not None and (st.st_size != m.size or st.st_ino != m.ino):  # grown, or a new daemon's file
         m.close()
         m = None
     if m is None:
