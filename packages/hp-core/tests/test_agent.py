@@ -136,7 +136,7 @@ def test_an_agent_cut_off_from_the_controller_fences_itself(launch, tmp_path, fr
     wait_for(_all_started(tmp_path, 2), what="2 workers to start")
     worker_pids = [pids(tmp_path, r)[0] for r in range(2)]
     controller.kill()
-    assert job.wait(timeout=60) == 1
+    assert job.wait(timeout=120) == 1, job.output
     assert "node 0 fenced itself: no answer from the controller" in job.output and "lease 1.6 s" in job.output
     for pid in worker_pids:
         assert not os.path.exists(f"/proc/{pid}") or "Z" in open(f"/proc/{pid}/stat").read().split()[2]

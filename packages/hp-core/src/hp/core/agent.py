@@ -236,9 +236,7 @@ class Agent:
 
     # ---- monitoring ---------------------------------------------------------------------
     def _monitor(self, client: ControlClient) -> int:
-        # requests while running must fail fast enough for the fencing deadline to hold
-        client = self._client = ControlClient(client.endpoint, self.token,
-                                              timeout_s=min(10.0, max(0.5, self.cfg.fence_after_s / 4)))
+        self._client = client
         next_beat = 0.0
         while True:
             for w in list(self.workers):
@@ -283,8 +281,11 @@ class Agent:
         caught_up = False
         while True:
             sent = time.monotonic()
+            # no request may outlast the lease: the fencing deadline holds even when packets vanish
+            lease_left = self._last_ok + self.cfg.fence_after_s - sent
+            caller = ControlClient(client.endpoint, self.token, timeout_s=min(10.0, max(0.2, lease_left)))
             try:
-                answer = client.call(verb, {**payload, "node_rank": self.cfg.node_rank, "generation": self.generation})
+                answer = caller.call(verb, {**payload, "node_rank": self.cfg.node_rank, "generation": self.generation})
                 self._last_ok = max(self._last_ok, sent)
                 return answer
             except ControlPlaneError as e:
