@@ -13,8 +13,9 @@ SCENARIOS = sorted((Path(__file__).parent / "scenarios").glob("*.yaml"))
 
 # Scenarios whose job does not exist yet: `hp chaos run` raises NotImplementedError naming it.
 FOLLOW_UP = {
-    "storage-outage": "a job that persists checkpoints to S3 comes with hp-tiered-ckpt (issue 5); "
-                      "the storage fault itself is tested in packages/hp-chaos/tests/test_storage_fault.py",
+    "storage-outage": "needs a scenario job that checkpoints through hp-tiered-ckpt (issue 5) to an S3 endpoint "
+                      "the harness starts; the storage fault itself is tested in "
+                      "packages/hp-chaos/tests/test_storage_fault.py",
 }
 
 

@@ -84,8 +84,8 @@ def run_scenario(scenario: Scenario, log_dir: str | None = None, cache: Referenc
                                       "which is not installed") from None
     if storage is None and any(f.target.kind == "storage" for f in scenario.faults):
         raise NotImplementedError(
-            "a storage fault needs a job that persists checkpoints to an S3 endpoint the harness started: "
-            "that job comes with hp-tiered-ckpt (issue 5); the fault itself is "
+            "a storage fault needs a scenario job that checkpoints through hp-tiered-ckpt to an S3 endpoint "
+            "the harness starts (SeaweedFS + ckpt daemon); that job is not built yet. The fault itself is "
             "hp.chaos.faults.storage.StorageOutage")
     root = log_dir or tempfile.mkdtemp(prefix=f"hp_chaos_{scenario.name}_")
     kinds = fault_kinds()
