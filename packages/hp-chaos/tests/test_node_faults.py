@@ -106,7 +106,7 @@ def test_node_loss_without_a_spare_on_the_survivors_fails_naming_the_node(job_en
         topo.kill_node(1)
         result = job.wait(timeout=300)
     assert result.returncode == 1
-    assert (f"job failed: node 1 (" in result.output and f"{topo.address(1)}) lost: no heartbeat for" in result.output
+    assert ("job failed: node 1 (" in result.output and f"{topo.address(1)}) lost: no heartbeat for" in result.output
             and "its ranks [1] need 1 spare(s) on the surviving nodes, 0 free" in result.output), result.output[-3000:]
 
 
