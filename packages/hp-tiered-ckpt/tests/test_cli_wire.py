@@ -91,3 +91,26 @@ def test_frames_are_authenticated_and_capped(daemons, token):
         assert wire.exchange(s, token, {"op": "ping"})[0]["ok"]  # the connection stays usable
     out = node.output()
     assert "authentication failed" in out and "exceeds" in out
+
+
+def test_bench_ckpt_smoke_json_last_line(s3, hp, monkeypatch):
+    """The benchmark's plumbing on a tiny state (the real figures come from the default 100 M size)."""
+    for k, v in s3.env().items():
+        monkeypatch.setenv(k, v)
+    r = hp("bench", "ckpt", "--params", "2e4", "--saves", "1", "--json", "--url", f"s3://{s3.bucket}/bench")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout.strip().splitlines()[-1])
+    for key in ("stall_s", "memcpy_floor_s", "dcp_sync_s3_s", "dcp_async_stall_s", "persist_MBps", "s3fs_raw_MBps"):
+        assert out[key] > 0, (key, out)
+
+
+def test_seal_accepts_only_the_slot_the_daemon_handed_out(daemons, token):
+    from hp.tiered_ckpt.client import DaemonClient
+
+    node = daemons("node0", replicas=0)
+    c = DaemonClient(("127.0.0.1", node.port), token)
+    path = c.slot("job", 0, 1, 4096)
+    for bad_path, spans, size in (("/etc/passwd", [[0, 10]], 10), (path, [[4000, 200]], 4096), (path, [[0, 10]], 1 << 20)):
+        with pytest.raises(wire.RefusedError):
+            c.seal("job", 0, 1, 1, bad_path, size, spans, None)
+    c.seal("job", 0, 1, 1, path, 4096, [[0, 4096]], None)

@@ -57,19 +57,22 @@ def _tensors(sd) -> list:
     return out
 
 
-def memcpy_floor(sd, repeats: int) -> float:
-    """Copy every tensor into pre-allocated, already-touched buffers: the least a save can cost."""
-    import torch
+class MemcpyFloor:
+    """Copy every tensor into pre-allocated, already-touched buffers: the least a save can cost.
+    Timed right after each hp save, so that both see the same machine load."""
 
-    src = _tensors(sd)
-    dst = [torch.empty_like(t) for t in src]
-    times = []
-    for _ in range(repeats + 1):
+    def __init__(self, sd) -> None:
+        import torch
+
+        self.src = _tensors(sd)
+        self.dst = [torch.empty_like(t) for t in self.src]
+        self.once()
+
+    def once(self) -> float:
         t0 = time.perf_counter()
-        for d, s in zip(dst, src):
+        for d, s in zip(self.dst, self.src):
             d.copy_(s)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times[1:])
+        return time.perf_counter() - t0
 
 
 def _wait_event(client, kind: str, step: int, timeout: float) -> float:
@@ -95,8 +98,7 @@ def run_bench(params: float, saves: int, url: str | None, workdir: Path, log=pri
     sd, n = build_state(params)
     nbytes = sum(t.numel() * t.element_size() for t in _tensors(sd))
     log(f"state: {n / 1e6:.1f} M params + Adam = {nbytes / 1e9:.2f} GB in {len(_tensors(sd))} tensors")
-    floor = memcpy_floor(sd, saves)
-    log(f"memcpy floor (pre-allocated): {floor:.3f} s")
+    floor_copy = MemcpyFloor(sd)
 
     token, port = new_token(), free_port()
     shm = Path(tempfile.mkdtemp(prefix="hp-bench-ckpt-", dir="/dev/shm"))
@@ -109,14 +111,17 @@ def run_bench(params: float, saves: int, url: str | None, workdir: Path, log=pri
         wait_for(lambda: _ping(client), 60, "the checkpoint daemon")
         cfg = TieredConfig("bench", daemon=f"127.0.0.1:{port}", persist_url=url, persist_every=10**9, token=token)
         warm = 3  # keep_memory + 2 slots: every slot allocated and mapped before timing
-        stalls = []
+        stalls, floors = [], []
         for step in range(1, warm + saves + 1):
             t0 = time.perf_counter()
             api.save(sd, step, cfg)
             stalls.append(time.perf_counter() - t0)
-        first, timed = stalls[0], stalls[warm:]
-        stall = statistics.median(timed)
-        log(f"hp memory tier stall: median {stall:.3f} s over {saves} saves (first save {first:.2f} s)")
+            floors.append(floor_copy.once())
+        first = stalls[0]
+        stall, floor = statistics.median(stalls[warm:]), statistics.median(floors[warm:])
+        log(f"hp memory tier stall: median {stall:.3f} s over {saves} saves (first save {first:.2f} s); "
+            f"memcpy floor (pre-allocated, timed after each save) {floor:.3f} s")
+        del floor_copy
 
         # persistence: one save that is uploaded; time from its return to the commit marker
         step = warm + saves + 1
