@@ -188,18 +188,22 @@ def run_bench_cli(args: argparse.Namespace) -> int:
     workdir = Path(args.dir or tempfile.mkdtemp(prefix="hp-bench-ckpt-"))
     workdir.mkdir(parents=True, exist_ok=True)
     log = (lambda m: print(m, file=sys.stderr, flush=True)) if args.json else print
-    if args.url:
-        result = run_bench(args.params, args.saves, args.url, workdir, log)
-    else:
-        from hp.tiered_ckpt.seaweed import SeaweedS3
+    try:
+        if args.url:
+            result = run_bench(args.params, args.saves, args.url, workdir, log)
+        else:
+            from hp.tiered_ckpt.seaweed import SeaweedS3
 
-        try:
-            server = SeaweedS3(str(workdir / "s3"))
-        except FileNotFoundError as e:
-            raise UsageError(f"{e} (or give --url s3://... with AWS credentials in the environment)") from None
-        with server as s3:
-            os.environ.update(s3.env())
-            result = run_bench(args.params, args.saves, f"s3://{s3.bucket}/bench", workdir, log)
+            try:
+                server = SeaweedS3(str(workdir / "s3"))
+            except FileNotFoundError as e:
+                raise UsageError(f"{e} (or give --url s3://... with AWS credentials in the environment)") from None
+            with server as s3:
+                os.environ.update(s3.env())
+                result = run_bench(args.params, args.saves, f"s3://{s3.bucket}/bench", workdir, log)
+    finally:
+        if not args.dir:  # ours: a temporary directory (the daemon's log); kept when --dir was given
+            shutil.rmtree(workdir, ignore_errors=True)
     if args.json:
         print(json.dumps(result), flush=True)
     else:
