@@ -153,6 +153,36 @@ def test_a_replaced_process_of_an_old_generation_is_fenced_out(job_env, tmp_path
     assert all(len(v) == 1 for v in result.losses().values())  # nothing committed twice
 
 
+def running(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def test_workers_and_spares_of_a_dead_agent_exit(job_env, tmp_path):
+    """The agent (and the controller it hosts) is SIGKILLed: nobody supervises its workers and spare
+    any more, so they must leave instead of training on, or waiting, forever."""
+    log_dir = tmp_path / "logs"
+    job = subprocess.Popen(job_command(config(spares=1, steps=500), str(log_dir)), env={**os.environ, **job_env},
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        events = lambda: read_events(str(log_dir / "events"))  # noqa: E731
+        wait_for(lambda: any(e["event"] == "commit" for e in events()), 120, "training")
+        wait_for(lambda: any(e["event"] == "spare_ready" for e in events()), 60, "the spare")
+        children = {e["pid"] for e in events() if e["event"] in ("pg_ready", "spare_ready")}
+        assert len(children) == 5
+        job.kill()
+        job.wait()
+        wait_for(lambda: not any(map(running, children)), 30, "orphaned workers to exit")
+        workers = {e["pid"] for e in events() if e["event"] == "pg_ready"}
+        # the spare may notice first that the store (in the dead agent) is gone: it exits either way
+        assert workers <= {e["pid"] for e in events() if e["event"] == "orphaned"}
+    finally:
+        if job.poll() is None:
+            job.kill()
+
+
 # ---- sharded optimizer state (torch ZeroRedundancyOptimizer, buddy replicas) -----------------------
 ZERO = ["--zero"]
 

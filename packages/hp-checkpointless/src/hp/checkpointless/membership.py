@@ -96,12 +96,15 @@ def arrive(store: dist.Store, generation: int, world_size: int, poll_s: float = 
 
 
 class Watch:
-    """Background thread: beats the heartbeat file and aborts a superseded process group."""
+    """Background thread: beats the heartbeat file, aborts a superseded process group, and ends a
+    process whose agent died (its workers would otherwise train on, or a spare wait, unsupervised)."""
 
     def __init__(self, connect: Callable[[], dist.Store], heartbeat_file: str | None,
-                 on_superseded: Callable[[int], None], period_s: float = 0.01, beat_every_s: float = 0.1) -> None:
+                 on_superseded: Callable[[int], None], period_s: float = 0.01, beat_every_s: float = 0.1,
+                 on_orphaned: Callable[[], None] | None = None) -> None:
         self._connect, self._heartbeat_file = connect, heartbeat_file
-        self._on_superseded = on_superseded
+        self._on_superseded, self._on_orphaned = on_superseded, on_orphaned
+        self._parent = os.getppid()  # the agent: a worker whose agent died is re-parented
         self._period, self._beat_every = period_s, beat_every_s
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="hp-watch", daemon=True)
@@ -124,6 +127,9 @@ class Watch:
             if now - last_beat >= self._beat_every:
                 self.beat()
                 last_beat = now
+                if self._on_orphaned is not None and os.getppid() != self._parent:
+                    self._on_orphaned()  # nobody supervises this process any more
+                    return
             try:
                 self._on_superseded(latest_generation(store))
             except Exception:  # the store is gone at job end; the main thread notices on its own

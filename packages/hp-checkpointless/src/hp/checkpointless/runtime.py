@@ -33,6 +33,7 @@ from hp.core.errors import ControlPlaneError, UsageError
 from hp.core.plugins import get_backend
 
 EXIT_ESCALATED = 75  # EX_TEMPFAIL: this rank keeps failing; the agent replaces the process
+EXIT_ORPHANED = 76  # the agent died: no one supervises this process
 # Sent by the watch thread to the main thread to stop a step whose group is already dead. SIGUSR2,
 # not SIGUSR1, which Slurm and Lightning use for requeue notices.
 INTERRUPT_SIGNAL = signal.SIGUSR2
@@ -117,6 +118,7 @@ class Context:
             signal.signal(INTERRUPT_SIGNAL, self._interrupt)
         self._watch = membership.Watch(
             lambda: membership.connect_store(*self._store_addr), env.get("HP_HEARTBEAT_FILE"), self._on_generation,
+            on_orphaned=self._orphaned,
         ).start()
 
     # ---- user API -----------------------------------------------------------------------
@@ -323,6 +325,13 @@ class Context:
                 and self._interrupt_sent < latest):
             self._interrupt_sent = latest
             signal.pthread_kill(threading.main_thread().ident, INTERRUPT_SIGNAL)
+
+    def _orphaned(self) -> None:
+        """Watch thread: the agent that started this process is gone (SIGKILLed with its node's
+        controller, say). Nobody can fence or replace this rank any more: leave at once."""
+        self.events.record("orphaned", rank=self._rank, generation=self.generation)
+        print(f"hp: rank {self._rank}: the agent that started this process died; exiting", file=sys.stderr, flush=True)
+        os._exit(EXIT_ORPHANED)
 
     def _interrupt(self, signum: int, frame: Any) -> None:
         """Main thread, between two Python bytecodes of the user's step (torch ops run to the end)."""
