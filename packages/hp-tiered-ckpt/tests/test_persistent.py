@@ -79,18 +79,23 @@ def test_s3_outage_training_continues_upload_lands_after_with_commit_last(s3, da
     url = f"s3://{s3.bucket}/t3"
     os.kill(s3.proc.pid, signal.SIGSTOP)
     try:
-        res = ranks(1, ["save", "--ns", "job", "--daemon", node.addr, "--url", url, "--steps", "1,2,3",
+        res = ranks(1, ["save", "--ns", "job", "--daemon", node.addr, "--url", url, "--steps", "1,2,3,4,5",
                         "--persist-every", "2"], env).results()
         # training went on: every save returned (a frozen S3 answers nothing; a blocking save would hang)
-        assert len(res[0]["stalls"]) == 3 and max(res[0]["stalls"]) < 10
+        assert len(res[0]["stalls"]) == 5 and max(res[0]["stalls"]) < 10
         wait_for(lambda: node.events("upload_retry"), 30, "an upload attempt failing during the outage")
+        # step 2's upload gives way to step 4's, so the outage pins no more than two slots
+        try:
+            wait_for(lambda: any(e["step"] == 2 for e in node.events("persist_superseded")), 30, "step 2 superseded")
+        except AssertionError as e:
+            raise AssertionError(f"{e}; daemon events: {node.events()}\n{node.output()[-3000:]}") from None
         assert not node.events("committed")
     finally:
         resumed = time.time()
         os.kill(s3.proc.pid, signal.SIGCONT)
     wait_for(lambda: node.events("committed"), 90, "the upload to complete after the outage")
     ev = node.events()
-    uploaded = [e for e in ev if e["event"] == "uploaded" and e["step"] == 2]
-    committed = [e for e in ev if e["event"] == "committed" and e["step"] == 2]
+    uploaded = [e for e in ev if e["event"] == "uploaded" and e["step"] == 4]
+    committed = [e for e in ev if e["event"] == "committed" and e["step"] == 4]
     assert uploaded and committed and resumed <= uploaded[0]["time"] <= committed[0]["time"]
-    assert _committed(url, "job", env) == [2]
+    assert _committed(url, "job", env) == [4]

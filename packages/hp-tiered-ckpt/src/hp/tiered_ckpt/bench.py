@@ -110,7 +110,7 @@ def run_bench(params: float, saves: int, url: str | None, workdir: Path, log=pri
         client = DaemonClient(("127.0.0.1", port), token)
         wait_for(lambda: _ping(client), 60, "the checkpoint daemon")
         cfg = TieredConfig("bench", daemon=f"127.0.0.1:{port}", persist_url=url, persist_every=10**9, token=token)
-        warm = 3  # keep_memory + 2 slots: every slot allocated and mapped before timing
+        warm = 4  # keep_memory + 3 slots: every slot allocated and mapped before timing
         stalls, floors = [], []
         for step in range(1, warm + saves + 1):
             t0 = time.perf_counter()

@@ -46,6 +46,7 @@ class Daemon:
         self.uploads: queue.Queue = queue.Queue()     # persistent tier, never blocks the above
         self.events: list[dict] = []                  # upload attempts/failures/commits, for status
         self._tiers: dict[tuple[str, str], PersistentTier] = {}
+        self.newest_persist: dict[str, int] = {}      # newest step queued for upload, per namespace
         daemon = self
 
         class Handler(socketserver.BaseRequestHandler):
@@ -159,6 +160,12 @@ class Daemon:
                 else:
                     self._replicate_meta(ns, step)
                 if url:
+                    with self.store.lock:  # pinned until uploaded or superseded: the slot keeps its bytes
+                        if f is not None:
+                            f.busy += 1
+                        else:
+                            self.store.steps[ns][step].pinned += 1
+                        self.newest_persist[ns] = max(self.newest_persist.get(ns, -1), step)
                     self.uploads.put((kind, ns, step, f, url))
             except Exception as e:  # a bad item must not stop the daemon
                 log.exception("background %s of step %d failed: %s", kind, step, e)
@@ -211,20 +218,44 @@ class Daemon:
             except (OSError, wire.WireError) as e:
                 log.warning("metadata of step %d to %s failed: %s", step, peer, e)
 
+    def _superseded(self, ns: str, step: int) -> bool:
+        """A newer step of the namespace is queued for upload: uploading this one is wasted work
+        (and would keep its slot pinned through an outage); the newest is what a restart wants."""
+        return self.newest_persist.get(ns, step) > step
+
     def _upload_loop(self) -> None:
         while True:
             job = self.uploads.get()
-            delay = 0.5
-            while True:  # retry with backoff until it lands: an outage must not lose the step
+            try:
+                self._upload_job(job)
+            except Exception as e:  # a bug in one job must not end persistence for the daemon's life
+                log.exception("upload job %s failed: %s", job[:3], e)
+                self._event("error", ns=job[1], step=job[2], error=str(e)[:300])
+
+    def _upload_job(self, job: tuple) -> None:
+        kind, ns, step, f, url = job
+        delay = 0.5
+        try:
+            while True:  # retry with backoff until it lands or a newer step supersedes it
+                if self._superseded(ns, step):
+                    self._event("persist_superseded", ns=ns, step=step, job=kind)
+                    break
                 try:
                     self._upload(*job)
                     break
                 except Exception as e:
-                    self._tiers.pop((job[4], job[1]), None)  # a fresh client after a failure
-                    self._event("upload_retry", ns=job[1], step=job[2], error=str(e)[:300])
-                    log.warning("upload of step %d failed (%s); retrying in %.1f s", job[2], e, delay)
+                    self._tiers.pop((url, ns), None)  # a fresh client after a failure
+                    self._event("upload_retry", ns=ns, step=step, error=str(e)[:300])
+                    log.warning("upload of step %d failed (%s); retrying in %.1f s", step, e, delay)
                     time.sleep(delay)
                     delay = min(delay * 2, self.cfg.retry_max_s)
+        finally:
+            with self.store.lock:
+                if f is not None:
+                    f.busy -= 1
+                else:
+                    self.store.steps[ns][step].pinned -= 1
+                self.store.lock.notify_all()
 
     def _tier(self, url: str, ns: str) -> PersistentTier:
         """One filesystem client per (url, namespace): an s3fs client costs a session setup."""
@@ -237,17 +268,10 @@ class Daemon:
         tier = self._tier(url, ns)
         rec = self.store.steps[ns][step]
         if kind == "file":
-            with self.store.lock:
-                f.busy += 1
-            try:
-                tier.put_file(step, fmt.rank_file(f.rank), f.path, f.nbytes)
-                # the manifest goes after the data: the committer waits for every manifest
-                tier.put_json(step, fmt.rank_manifest(f.rank), f.manifest())
-                self._event("uploaded", ns=ns, step=step, rank=f.rank)
-            finally:
-                with self.store.lock:
-                    f.busy -= 1
-                    self.store.lock.notify_all()
+            tier.put_file(step, fmt.rank_file(f.rank), f.path, f.nbytes)
+            # the manifest goes after the data: the committer waits for every manifest
+            tier.put_json(step, fmt.rank_manifest(f.rank), f.manifest())
+            self._event("uploaded", ns=ns, step=step, rank=f.rank)
             return
         tier.put_bytes(step, fmt.DCP_METADATA, rec.meta_pickle)
         tier.put_json(step, fmt.META_JSON, rec.meta_json)
@@ -257,7 +281,7 @@ class Daemon:
                 tier.commit(step, rec.world)
                 break
             except FileNotFoundError:
-                if time.monotonic() > deadline:
+                if time.monotonic() > deadline or self._superseded(ns, step):
                     raise
                 time.sleep(0.2)
         rec.persisted = True

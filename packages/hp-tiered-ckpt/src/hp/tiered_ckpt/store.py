@@ -46,6 +46,7 @@ class StepRec:
     meta_primary: bool = False             # committed by this node's coordinator rank
     persist_url: str | None = None
     persisted: bool = False
+    pinned: int = 0                        # metadata upload queued or in flight: keep the record
 
     def ready_ranks(self) -> list[int]:
         return sorted(r for r, f in self.files.items() if f.items is not None)
@@ -111,7 +112,7 @@ class MemoryStore:
         free = [k for k, s in enumerate(pool) if s is None or s == step]
         if free:
             return free[0]
-        if len(pool) < self.keep + 2:
+        if len(pool) < self.keep + 3:  # kept steps + one being uploaded + the newest queued upload + this save
             return len(pool)
         evictable = [(s, k) for k, s in enumerate(pool)
                      if s not in kept and not self._busy(ns, s, rank)]
@@ -204,7 +205,7 @@ class MemoryStore:
         files stay allocated (marked free) for the next save to reuse."""
         kept = self._kept_steps(ns)
         for step, rec in list(self.steps.get(ns, {}).items()):
-            if step in kept or any(f.busy or f.items is None for f in rec.files.values()):
+            if step in kept or rec.pinned or any(f.busy or f.items is None for f in rec.files.values()):
                 continue
             self._forget(ns, step)
 
@@ -224,8 +225,8 @@ class MemoryStore:
         """Forget steps beyond the newest ``keep`` (slot files stay allocated for reuse)."""
         with self.lock:
             steps = sorted(self.steps.get(ns, {}), reverse=True)
-            gone = [s for s in steps[max(keep, 0):]
-                    if not any(f.busy for f in self.steps[ns][s].files.values())]
+            gone = [s for s in steps[max(keep, 0):] if not self.steps[ns][s].pinned
+                    and not any(f.busy for f in self.steps[ns][s].files.values())]
             for s in gone:
                 self._forget(ns, s)
             self.lock.notify_all()
