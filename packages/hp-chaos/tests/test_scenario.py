@@ -79,11 +79,30 @@ def test_the_issue_example_parses_into_typed_faults():
     ("expect.completes", "yes", "expect.completes"),
     ("expect.min_goodput", 1.5, "expect.min_goodput"),
     ("expect.recovers", 1, "expect.recovers"),
+    ("job.checkpoint", 2, "job.checkpoint"),
+    ("job.checkpoint", {"every": 0}, "job.checkpoint.every"),
+    ("job.checkpoint", {"persist_every": "2"}, "job.checkpoint.persist_every"),
+    ("job.checkpoint", {"evry": 2}, "job.checkpoint.evry"),
+    ("expect.persisted_step", 10, "expect.persisted_step"),  # no job.checkpoint
+    ("faults.1", {"at_step": 3, "kind": "storage", "target": "storage", "duration_s": 1}, "faults[1]"),
 ])
 def test_a_malformed_scenario_names_the_key(path, value, key):
     with pytest.raises(ScenarioError) as e:
         parse_scenario(with_(path, value))
     assert e.value.key == key and str(e.value).startswith(f"{key}: ")
+
+
+def test_a_checkpointing_job_and_its_persisted_step():
+    raw = {**GOOD, "job": {**GOOD["job"], "checkpoint": {"every": 2, "persist_every": 4}},
+           "faults": [{"at_step": 5, "kind": "storage", "target": "storage", "duration_s": 3}],
+           "expect": {"persisted_step": 36}}
+    s = parse_scenario(raw)
+    assert (s.job.checkpoint.every, s.job.checkpoint.persist_every, s.expect.persisted_step) == (2, 4, 36)
+    assert raw["job"]["checkpoint"] == {"every": 2, "persist_every": 4}  # the caller's mapping is left alone
+    assert s.job.reference_key() != parse_scenario(GOOD).job.reference_key()
+    for step in (38, 40):  # not a persisted step; past the end
+        with pytest.raises(ScenarioError, match=r"^expect\.persisted_step: must be a step the job persists"):
+            parse_scenario({**raw, "expect": {"persisted_step": step}})
 
 
 def test_network_faults_validate_against_a_multi_node_job():

@@ -31,10 +31,10 @@ POLL_S = 0.02
 TAG_ENV = "HP_CHAOS_RUN"  # every process of a run inherits it: stragglers are found and killed by it
 
 
-def demo_config(job: JobSpec, spares: int | None = None) -> DemoConfig:
+def demo_config(job: JobSpec, spares: int | None = None, train_args: list[str] = ()) -> DemoConfig:
     return DemoConfig(nproc=job.nproc_per_node, spares=job.spares if spares is None else spares, steps=job.steps,
                       model_size=job.model, hang_timeout_s=job.hang_timeout_s, corpus_mb=job.corpus_mb,
-                      seed=job.seed, max_restarts=job.max_restarts)
+                      seed=job.seed, max_restarts=job.max_restarts, train_args=list(train_args))
 
 
 def node_command(job: JobSpec, cfg: DemoConfig, log_dir: str, node: int, endpoint: str | None) -> list[str]:
@@ -131,12 +131,13 @@ class JobRun:
 
 
 def run_job(job: JobSpec, log_dir: str, hp_faults: list[dict], actions: list[Action] = (),
-            env: dict[str, str] | None = None, spares: int | None = None, storage: Any = None) -> JobRun:
+            env: dict[str, str] | None = None, spares: int | None = None, storage: Any = None,
+            train_args: list[str] = ()) -> JobRun:
     """Run the job to its end (or ``job.timeout_s``), firing ``actions`` on the way; every process
-    it started is gone when this returns."""
+    it started is gone when this returns. ``train_args``: extra flags for the training script."""
     os.makedirs(log_dir, exist_ok=True)
     tag = uuid.uuid4().hex
-    cfg = demo_config(job, spares)
+    cfg = demo_config(job, spares, train_args)
     base_env = {**os.environ, **(env or {}), "HP_FAULTS": json.dumps(hp_faults), TAG_ENV: tag}
     with contextlib.ExitStack() as stack:
         topo = None

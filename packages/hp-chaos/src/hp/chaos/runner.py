@@ -68,8 +68,22 @@ class ReferenceCache:
 
 def _reference(job: JobSpec, log_dir: str, env: dict[str, str] | None) -> RunResult:
     # no spares: a fault-free run never uses one, and the losses do not depend on it
-    run = run_job(job, log_dir, [], env=env, spares=0)
+    with _checkpoint_storage(job, log_dir) as ck:
+        run = run_job(job, log_dir, [], env=_env(env, ck), spares=0, train_args=ck.train_args if ck else ())
     return run.result
+
+
+def _checkpoint_storage(job: JobSpec, log_dir: str) -> contextlib.AbstractContextManager:
+    """The run's own S3 endpoint + ckpt daemon + namespace when the job checkpoints, else nothing."""
+    if job.checkpoint is None:
+        return contextlib.nullcontext()
+    from hp.chaos.ckpt_storage import CheckpointStorage
+
+    return CheckpointStorage(job.checkpoint, log_dir)
+
+
+def _env(env: dict[str, str] | None, ck: Any) -> dict[str, str] | None:
+    return {**(env or {}), **ck.env} if ck else env
 
 
 def run_scenario(scenario: Scenario, log_dir: str | None = None, cache: ReferenceCache | None = None,
@@ -82,11 +96,10 @@ def run_scenario(scenario: Scenario, log_dir: str | None = None, cache: Referenc
         except ImportError:
             raise NotImplementedError("nodes > 1 needs hp.chaos.topology (network namespaces: issue 4 part B), "
                                       "which is not installed") from None
-    if storage is None and any(f.target.kind == "storage" for f in scenario.faults):
-        raise NotImplementedError(
-            "a storage fault needs a scenario job that checkpoints through hp-tiered-ckpt to an S3 endpoint "
-            "the harness starts (SeaweedFS + ckpt daemon); that job is not built yet. The fault itself is "
-            "hp.chaos.faults.storage.StorageOutage")
+    if storage is None and scenario.job.checkpoint is None and any(f.target.kind == "storage"
+                                                                    for f in scenario.faults):
+        raise ValueError("a storage fault needs job.checkpoint (the runner then starts the S3 endpoint it "
+                         "freezes) or a storage server passed in")
     root = log_dir or tempfile.mkdtemp(prefix=f"hp_chaos_{scenario.name}_")
     kinds = fault_kinds()
     hp_faults, actions = [], []
@@ -95,8 +108,13 @@ def run_scenario(scenario: Scenario, log_dir: str | None = None, cache: Referenc
         hp_faults += injection.hp_faults
         actions += injection.actions
     reference = (cache or ReferenceCache()).get(scenario.job, env, root)
-    faulted = run_job(scenario.job, os.path.join(root, "faulted"), hp_faults, actions, env=env, storage=storage)
-    result = evaluate(scenario, reference, faulted)
+    faulted_dir, persisted = os.path.join(root, "faulted"), None
+    with _checkpoint_storage(scenario.job, faulted_dir) as ck:
+        faulted = run_job(scenario.job, faulted_dir, hp_faults, actions, env=_env(env, ck),
+                          storage=storage or (ck.server if ck else None), train_args=ck.train_args if ck else ())
+        if ck and scenario.expect.persisted_step is not None:
+            persisted = ck.wait_persisted(scenario.expect.persisted_step)
+    result = evaluate(scenario, reference, faulted, persisted)
     result["log_dir"] = root
     return result
 
@@ -129,9 +147,10 @@ def _floats(losses: dict[int, list[str]]) -> dict[str, list[float]]:
     return {str(s): [float.fromhex(x) for x in v] for s, v in sorted(losses.items())}
 
 
-def evaluate(scenario: Scenario, reference: RunResult, run: JobRun) -> dict:
+def evaluate(scenario: Scenario, reference: RunResult, run: JobRun, persisted: dict | None = None) -> dict:
     """The result: ``passed``, ``bitwise_equal``, ``lost_steps``, ``recovery_s`` (one per fault),
-    ``goodput``, ``failures`` (unmet expectations, empty when passed) and the details behind them."""
+    ``goodput``, ``failures`` (unmet expectations, empty when passed) and the details behind them.
+    ``persisted``: :meth:`hp.chaos.ckpt_storage.CheckpointStorage.wait_persisted`'s answer."""
     faulted, expect = run.result, scenario.expect
     events = faulted.events
     completed = faulted.returncode == 0 and not run.timed_out
@@ -188,6 +207,10 @@ def evaluate(scenario: Scenario, reference: RunResult, run: JobRun) -> dict:
         failures.append(f"recoveries: expected <= {expect.recoveries}, got {recoveries}")
     if expect.error_contains is not None and expect.error_contains not in faulted.output:
         failures.append(f"error_contains: {expect.error_contains!r} not in the faulted job's output")
+    if expect.persisted_step is not None and not (persisted and persisted["ok"]):
+        got = persisted["detail"].splitlines()[-1] if persisted and persisted["detail"] else "not checked"
+        failures.append(f"persisted_step: no complete checkpoint of step {expect.persisted_step} in S3 "
+                        f"{persisted['waited_s'] if persisted else 0} s after the job ended: {got[:300]}")
     return {
         "name": scenario.name,
         "passed": not failures,
@@ -204,6 +227,7 @@ def evaluate(scenario: Scenario, reference: RunResult, run: JobRun) -> dict:
         "step_time_s": step_time(reference),
         "wall_s": {"reference": reference.wall_s, "faulted": faulted.wall_s},
         "orphans_killed": run.orphans_killed,
+        **({"persisted": persisted} if persisted is not None else {}),
         "agent_returncodes": run.agent_returncodes,
         "losses": {"reference": _floats(reference.losses()), "faulted": _floats(faulted.losses())},
         "t0": {"reference": _first_commit(reference), "faulted": _first_commit(faulted)},

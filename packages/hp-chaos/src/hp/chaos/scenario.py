@@ -17,12 +17,22 @@ the fault kind itself (plugin family ``fault``).
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, fields
+from dataclasses import astuple, dataclass, fields, replace
 from typing import Any
 
 import yaml
 
 from hp.chaos.faults.base import FaultSpec, JobShape, ScenarioError
+
+
+@dataclass(frozen=True)
+class CheckpointSpec:
+    """``job.checkpoint``: the job checkpoints through hp-tiered-ckpt (``--checkpoint``): into a node
+    daemon's memory every ``every`` steps and to S3 every ``persist_every`` steps. The runner starts
+    a SeaweedFS S3 endpoint and an ``hp ckpt daemon`` for each run (reference and faulted alike)."""
+
+    every: int = 2
+    persist_every: int = 2
 
 
 @dataclass(frozen=True)
@@ -42,6 +52,7 @@ class JobSpec:
     replenish_spares: bool = False  # agents start a new spare when one is promoted (hp run --replenish-spares)
     corpus_mb: int = 2
     timeout_s: float = 240.0  # a hang guard per job, not a measurement
+    checkpoint: CheckpointSpec | None = None  # a mapping in the file; see CheckpointSpec
 
     @property
     def shape(self) -> JobShape:
@@ -49,7 +60,8 @@ class JobSpec:
 
     def reference_key(self) -> tuple:
         """What the fault-free losses depend on (not spares, timeouts or restarts)."""
-        return (self.nodes, self.nproc_per_node, self.steps, self.model, self.seed, self.corpus_mb)
+        ckpt = astuple(self.checkpoint) if self.checkpoint else None  # a restore could change the losses
+        return (self.nodes, self.nproc_per_node, self.steps, self.model, self.seed, self.corpus_mb, ckpt)
 
 
 @dataclass(frozen=True)
@@ -63,6 +75,7 @@ class Expect:
     min_goodput: float | None = None
     recoveries: int | None = None  # new generations after a failure (0: the fault was absorbed)
     error_contains: str | None = None  # in the faulted job's output (for completes: false)
+    persisted_step: int | None = None  # after the job: S3 holds a complete, verified checkpoint of it
 
 
 @dataclass(frozen=True)
@@ -76,7 +89,8 @@ class Scenario:
 
 
 _MINIMUM = {"nodes": 1, "nproc_per_node": 1, "spares": 0, "steps": 2, "seed": 0, "max_restarts": 0, "corpus_mb": 1,
-            "hang_timeout_s": 0.1, "timeout_s": 1.0, "heartbeat_timeout_s": 2.5}
+            "hang_timeout_s": 0.1, "timeout_s": 1.0, "heartbeat_timeout_s": 2.5,
+            "every": 1, "persist_every": 1, "persisted_step": 0}
 _SCALARS = {"bool": bool, "int": int, "float": float, "str": str}
 
 
@@ -116,7 +130,14 @@ def parse_scenario(raw: Any, source: str | None = None) -> Scenario:
     name = raw.get("name")
     if not isinstance(name, str) or not name.strip():
         raise ScenarioError("name", f"must be a non-empty string, got {name!r}")
-    job = _typed(JobSpec, raw.get("job", {}), "job")
+    raw_job = raw.get("job", {})
+    raw_ckpt = None
+    if isinstance(raw_job, dict):  # a mapping of its own, validated as one; the caller's dict is left alone
+        raw_job = dict(raw_job)
+        raw_ckpt = raw_job.pop("checkpoint", None)
+    job = _typed(JobSpec, raw_job, "job")
+    if raw_ckpt is not None:
+        job = replace(job, checkpoint=_typed(CheckpointSpec, raw_ckpt, "job.checkpoint"))
     from hp.checkpointless.demo.model import MODEL_SIZES
 
     if job.controller not in ("agent", "standalone"):
@@ -142,6 +163,19 @@ def parse_scenario(raw: Any, source: str | None = None) -> Scenario:
         raise ScenarioError("expect.lost_steps", f"must be >= 0, got {expect.lost_steps}")
     if expect.min_goodput is not None and not 0 < expect.min_goodput <= 1:
         raise ScenarioError("expect.min_goodput", f"must be in (0, 1], got {expect.min_goodput}")
+    if expect.persisted_step is not None:
+        ckpt = job.checkpoint
+        if ckpt is None:
+            raise ScenarioError("expect.persisted_step", "needs job.checkpoint (a job that persists to S3)")
+        if expect.persisted_step >= job.steps or expect.persisted_step % ckpt.persist_every:
+            raise ScenarioError("expect.persisted_step", f"must be a step the job persists (a multiple of "
+                                f"job.checkpoint.persist_every={ckpt.persist_every} below job.steps={job.steps}), "
+                                f"got {expect.persisted_step}")
+    if job.checkpoint is None:
+        for spec in specs:
+            if spec.target.kind == "storage":
+                raise ScenarioError(f"faults[{spec.index}]", "a storage fault needs job.checkpoint "
+                                    "(a job that persists checkpoints to the S3 endpoint the fault freezes)")
     description = raw.get("description", "")
     if not isinstance(description, str):
         raise ScenarioError("description", "must be a string")

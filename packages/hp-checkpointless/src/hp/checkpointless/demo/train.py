@@ -29,6 +29,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--checkpoint", metavar="NAMESPACE", default=None,
                    help="job-level rung: checkpoint into hp-tiered-ckpt's tiers (daemon from HP_CKPT_DAEMON)")
     p.add_argument("--checkpoint-every", type=int, default=2)
+    p.add_argument("--checkpoint-persist-every", type=int, default=None, metavar="N",
+                   help="also persist every N steps to HP_CKPT_URL (uploaded by the daemon; only when that is set)")
     p.add_argument("--zero", action="store_true",
                    help="shard the optimizer state (torch ZeroRedundancyOptimizer) instead of replicating it")
     return p.parse_args(argv)
@@ -52,7 +54,8 @@ def main(ctx) -> None:
         from hp.tiered_ckpt import TieredConfig
         from hp.tiered_ckpt.rung import TieredRung
 
-        checkpoint = TieredRung(TieredConfig.from_env(args.checkpoint, memory_every=args.checkpoint_every))
+        persist = {} if args.checkpoint_persist_every is None else {"persist_every": args.checkpoint_persist_every}
+        checkpoint = TieredRung(TieredConfig.from_env(args.checkpoint, memory_every=args.checkpoint_every, **persist))
     if args.zero:  # built by hp once the process group exists (a spare has none yet)
         ctx.register(model, lambda params: ZeroRedundancyOptimizer(params, torch.optim.AdamW, lr=3e-3),
                      make_scheduler, checkpoint=checkpoint)
