@@ -18,7 +18,7 @@ from hp.checkpointless.demo.run import DemoConfig, RunResult, compare
 pytestmark = [pytest.mark.skipif(os.geteuid() != 0, reason="network namespaces need root"),
               pytest.mark.timeout(600)]  # a hang guard: the first test also runs the reference job
 
-STEPS, FAULT_AFTER = 16, 4
+STEPS, FAULT_AFTER = 12, 3
 # node 1 is lost after 4 s of silence; its agent fences itself after 3 s (two beats earlier)
 AGENT_FLAGS = ["--heartbeat-interval", "0.5", "--heartbeat-timeout", "4"]
 
