@@ -31,11 +31,9 @@ CONTROLLER_PORT = 29400  # each namespace has its own ports: a fixed one cannot 
 
 def node_command(cfg: DemoConfig, log_dir: str, nnodes: int, node_rank: int, endpoint: str,
                  agent_flags: list[str]) -> list[str]:
-    """``job_command`` of one node: the multi-node flags go right after ``hp run``."""
-    cmd = job_command(cfg, log_dir)
-    at = cmd.index("run") + 1
-    return [*cmd[:at], "--nnodes", str(nnodes), "--node-rank", str(node_rank), "--rdzv-endpoint", endpoint,
-            *agent_flags, *cmd[at:]]
+    """``job_command`` of one node, with the multi-node flags."""
+    return job_command(cfg, log_dir, ["--nnodes", str(nnodes), "--node-rank", str(node_rank),
+                                      "--rdzv-endpoint", endpoint, *agent_flags])
 
 
 class MultiNodeJob:

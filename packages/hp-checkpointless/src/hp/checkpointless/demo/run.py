@@ -14,6 +14,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from hp.checkpointless.events import read_events
@@ -57,9 +58,11 @@ class RunResult:
         return out
 
 
-def job_command(cfg: DemoConfig, log_dir: str) -> list[str]:
+def job_command(cfg: DemoConfig, log_dir: str, agent_flags: Sequence[str] = ()) -> list[str]:
+    """The ``hp run`` command of the demo job; ``agent_flags`` are more ``hp run`` options (e.g. the
+    multi-node ones of the chaos harness)."""
     return [
-        sys.executable, "-m", "hp.core.cli", "run",
+        sys.executable, "-m", "hp.core.cli", "run", *agent_flags,
         "--nproc-per-node", str(cfg.nproc), "--spares", str(cfg.spares),
         "--monitor-interval", "0.02", "--hang-timeout", str(cfg.hang_timeout_s),
         "--max-restarts", str(cfg.max_restarts),
