@@ -11,21 +11,8 @@ import yaml
 
 SCENARIOS = sorted((Path(__file__).parent / "scenarios").glob("*.yaml"))
 
-# Scenarios whose job does not exist yet: `hp chaos run` raises NotImplementedError naming it.
-FOLLOW_UP = {
-    "storage-outage": "needs a scenario job that checkpoints through hp-tiered-ckpt (issue 5) to an S3 endpoint "
-                      "the harness starts; the storage fault itself is tested in "
-                      "packages/hp-chaos/tests/test_storage_fault.py",
-}
 
-
-def _param(path: Path):
-    marks = [pytest.mark.xfail(strict=True, raises=NotImplementedError, reason=FOLLOW_UP[path.stem])] \
-        if path.stem in FOLLOW_UP else []
-    return pytest.param(path, id=path.stem, marks=marks)
-
-
-@pytest.mark.parametrize("path", [_param(p) for p in SCENARIOS])
+@pytest.mark.parametrize("path", [pytest.param(p, id=p.stem) for p in SCENARIOS])
 def test_scenario(chaos_run, path):
     chaos_run(path)
 
