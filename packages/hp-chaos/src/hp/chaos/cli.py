@@ -19,7 +19,7 @@ from hp.core.hookspecs import hookimpl
 def _recovery(args: argparse.Namespace) -> int:
     try:
         from hp.chaos.bench_recovery import BenchConfig, format_table, run_bench
-        from hp.checkpointless.demo.model import MODEL_SIZES
+        from hp.checkpointless.demo.sizes import MODEL_SIZES
     except ImportError as e:
         raise UsageError(f"hp bench recovery needs hp-checkpointless and torch ({e}); "
                          "pip install packages/hp-checkpointless") from None
@@ -66,7 +66,7 @@ def _goodput(args: argparse.Namespace) -> int:
         raise UsageError("need 0 < --fault-every < --duration, --baseline > 0 and --corpus-mb >= 1")
     try:
         from hp.chaos.bench_goodput import GoodputConfig, format_table, run_bench
-        from hp.checkpointless.demo.model import MODEL_SIZES
+        from hp.checkpointless.demo.sizes import MODEL_SIZES
     except ImportError as e:
         raise UsageError(f"hp bench goodput needs hp-checkpointless and torch ({e}); "
                          "pip install packages/hp-checkpointless") from None

@@ -138,7 +138,7 @@ def parse_scenario(raw: Any, source: str | None = None) -> Scenario:
     job = _typed(JobSpec, raw_job, "job")
     if raw_ckpt is not None:
         job = replace(job, checkpoint=_typed(CheckpointSpec, raw_ckpt, "job.checkpoint"))
-    from hp.checkpointless.demo.model import MODEL_SIZES
+    from hp.checkpointless.demo.sizes import MODEL_SIZES
 
     if job.controller not in ("agent", "standalone"):
         raise ScenarioError("job.controller", f"must be 'agent' or 'standalone', got {job.controller!r}")

@@ -2,9 +2,28 @@
 
 Wrap the training function with :func:`recoverable`, register the training state on the
 :class:`Context` it receives and run each step inside ``with step:`` ending in ``ctx.commit(loss)``.
+
+Names are imported on first use: the ``hp`` CLI loads this package's plugin on every call and must
+not pay for torch and torch.distributed.checkpoint (seconds) to print its help.
 """
 
-from hp.checkpointless.faults import FaultPlan, InjectedFault
-from hp.checkpointless.runtime import CollectiveError, Context, JobEnded, Step, recoverable
+from __future__ import annotations
 
-__all__ = ["CollectiveError", "Context", "FaultPlan", "InjectedFault", "JobEnded", "Step", "recoverable"]
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "CollectiveError": "hp.checkpointless.runtime", "Context": "hp.checkpointless.runtime",
+    "JobEnded": "hp.checkpointless.runtime", "Step": "hp.checkpointless.runtime",
+    "recoverable": "hp.checkpointless.runtime", "FaultPlan": "hp.checkpointless.faults",
+    "InjectedFault": "hp.checkpointless.faults", "JobCheckpoint": "hp.checkpointless.ladder",
+    "ShardLost": "hp.checkpointless.sharded",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'hp.checkpointless' has no attribute {name!r}")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from hp.checkpointless.demo.model import MODEL_SIZES
+from hp.checkpointless.demo.sizes import MODEL_SIZES
 from hp.checkpointless.faults import PHASES
 from hp.core.errors import UsageError
 from hp.core.hookspecs import hookimpl

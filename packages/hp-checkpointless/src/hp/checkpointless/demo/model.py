@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from hp.checkpointless.demo.sizes import MODEL_SIZES
+
 
 class TinyGPT(nn.Module):
     def __init__(self, vocab: int = 256, d_model: int = 64, layers: int = 2, heads: int = 4, seq: int = 64,
@@ -22,11 +24,6 @@ class TinyGPT(nn.Module):
         return self.head(self.blocks(h, mask=self.mask[: tokens.shape[1], : tokens.shape[1]], is_causal=True))
 
 
-MODEL_SIZES = {  # name -> (d_model, layers, heads); "25m" is the INFRA baseline model
-    "tiny": (64, 2, 4),
-    "small": (128, 4, 4),
-    "25m": (512, 6, 8),
-}
 
 
 def build_model(size: str, vocab: int, seq: int, dropout: float = 0.0) -> TinyGPT:
