@@ -47,6 +47,7 @@ class Daemon:
         self.events: list[dict] = []                  # upload attempts/failures/commits, for status
         self._tiers: dict[tuple[str, str], PersistentTier] = {}
         self.newest_persist: dict[str, int] = {}      # newest step queued for upload, per namespace
+        self._waiting: list[dict] = []                # upload jobs queued and not started (store.lock)
         daemon = self
 
         class Handler(socketserver.BaseRequestHandler):
@@ -160,13 +161,16 @@ class Daemon:
                 else:
                     self._replicate_meta(ns, step)
                 if url:
+                    entry = {"job": (kind, ns, step, f, url), "released": False}
                     with self.store.lock:  # pinned until uploaded or superseded: the slot keeps its bytes
                         if f is not None:
                             f.busy += 1
                         else:
                             self.store.steps[ns][step].pinned += 1
                         self.newest_persist[ns] = max(self.newest_persist.get(ns, -1), step)
-                    self.uploads.put((kind, ns, step, f, url))
+                        self._release_superseded(ns)
+                        self._waiting.append(entry)
+                    self.uploads.put(entry)
             except Exception as e:  # a bad item must not stop the daemon
                 log.exception("background %s of step %d failed: %s", kind, step, e)
                 self._event("error", ns=ns, step=step, error=str(e))
@@ -223,9 +227,33 @@ class Daemon:
         (and would keep its slot pinned through an outage); the newest is what a restart wants."""
         return self.newest_persist.get(ns, step) > step
 
+    def _unpin(self, ns: str, step: int, f: FileRec | None) -> None:
+        """Caller holds store.lock."""
+        if f is not None:
+            f.busy -= 1
+        else:
+            self.store.steps[ns][step].pinned -= 1
+        self.store.lock.notify_all()
+
+    def _release_superseded(self, ns: str) -> None:
+        """Unpin queued uploads a newer step made pointless, now, not when the upload thread gets to
+        them: during an outage it hangs in one PUT, and a save waiting for their slots would stall
+        training. Caller holds store.lock."""
+        for entry in [e for e in self._waiting if e["job"][1] == ns and self._superseded(ns, e["job"][2])]:
+            kind, _, step, f, _ = entry["job"]
+            entry["released"] = True
+            self._waiting.remove(entry)
+            self._unpin(ns, step, f)
+            self._event("persist_superseded", ns=ns, step=step, job=kind)
+
     def _upload_loop(self) -> None:
         while True:
-            job = self.uploads.get()
+            entry = self.uploads.get()
+            with self.store.lock:
+                if entry["released"]:
+                    continue
+                self._waiting.remove(entry)
+            job = entry["job"]
             try:
                 self._upload_job(job)
             except Exception as e:  # a bug in one job must not end persistence for the daemon's life
@@ -251,11 +279,7 @@ class Daemon:
                     delay = min(delay * 2, self.cfg.retry_max_s)
         finally:
             with self.store.lock:
-                if f is not None:
-                    f.busy -= 1
-                else:
-                    self.store.steps[ns][step].pinned -= 1
-                self.store.lock.notify_all()
+                self._unpin(ns, step, f)
 
     def _tier(self, url: str, ns: str) -> PersistentTier:
         """One filesystem client per (url, namespace): an s3fs client costs a session setup."""

@@ -67,7 +67,9 @@ class SeaweedS3:
             self.ports[flag] = p
         args = [weed_binary(), "mini", f"-dir={self.dir / 'data'}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
                 "-master.telemetry=false", f"-s3.config={self.dir / 's3.json'}", f"-bucket={self.bucket}",
-                "-admin.ui=false", *(f"-{k}={v}" for k, v in self.ports.items())]
+                "-admin.ui=false", *(f"-{k}={v}" for k, v in self.ports.items()),
+                # the Iceberg and Lance catalogs listen on fixed ports: two servers at once (pytest -n 2) collide
+                "-s3.port.iceberg=0", "-s3.port.lance=0"]
         env = {**os.environ, "GOMEMLIMIT": "512MiB"}
         self.log = open(self.dir / "weed.log", "wb")
         self.proc = subprocess.Popen(args, cwd=self.dir, env=env, stdout=self.log, stderr=subprocess.STDOUT,
