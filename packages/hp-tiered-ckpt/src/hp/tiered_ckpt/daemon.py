@@ -205,11 +205,8 @@ class Daemon:
     def _file_crc(f: FileRec) -> int:
         crc = 0
         with open(f.path, "rb") as fh:
-            left = f.nbytes
-            while left:
-                chunk = fh.read(min(8 << 20, left))
+            for chunk in fmt.chunks(fh, f.nbytes):
                 crc = zlib.crc32(chunk, crc)
-                left -= len(chunk)
         return crc
 
     def _replicate_meta(self, ns: str, step: int) -> None:

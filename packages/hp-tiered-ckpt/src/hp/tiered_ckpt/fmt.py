@@ -151,3 +151,15 @@ def metadata_from_json(obj: dict):
 
 def item_key(offset: int, length: int) -> str:
     return f"{offset}:{length}"
+
+
+def chunks(src, nbytes: int, size: int = 8 << 20):
+    """The first ``nbytes`` of the open binary file ``src`` in chunks of at most ``size`` bytes; a file
+    that ends early raises OSError (a staging slot must hold what its seal announced)."""
+    left = nbytes
+    while left:
+        chunk = src.read(min(size, left))
+        if not chunk:
+            raise OSError(f"{getattr(src, 'name', 'file')} ended with {left} of {nbytes} bytes unread")
+        yield chunk
+        left -= len(chunk)

@@ -73,13 +73,8 @@ class PersistentTier:
     def put_file(self, step: int, name: str, local_path: str, nbytes: int) -> None:
         """Stream the first ``nbytes`` of a local (shared-memory) file to the tier."""
         with open(local_path, "rb") as src, self.fs.open(self.path(step, name), "wb", block_size=_CHUNK) as f:
-            left = nbytes
-            while left:
-                chunk = src.read(min(_CHUNK, left))
-                if not chunk:
-                    raise OSError(f"{local_path} ended {left} bytes early")
+            for chunk in fmt.chunks(src, nbytes, _CHUNK):
                 f.write(chunk)
-                left -= len(chunk)
 
     def put_json(self, step: int, name: str, obj: dict) -> None:
         self.put_bytes(step, name, json.dumps(obj).encode())

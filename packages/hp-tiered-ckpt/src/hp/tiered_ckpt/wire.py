@@ -15,6 +15,7 @@ import zlib
 from typing import BinaryIO
 
 from hp.core.auth import AuthError, encode_request, verify_request
+from hp.tiered_ckpt import fmt
 
 MAX_HEADER = 4 << 20  # metadata JSON of a large model fits; anything bigger is an attack or a bug
 MAX_PAYLOAD = 64 << 30
@@ -58,13 +59,8 @@ def send(sock: socket.socket, token: str, header: dict, payload: bytes | BinaryI
     if payload is None:
         sock.sendall(data)
         return
-    left = nbytes
-    while left:
-        chunk = payload.read(min(_CHUNK, left))
-        if not chunk:
-            raise WireError(f"file ended with {left} of {nbytes} bytes unsent")
+    for chunk in fmt.chunks(payload, nbytes, _CHUNK):
         sock.sendall(chunk)
-        left -= len(chunk)
 
 
 def recv_header(sock: socket.socket, token: str) -> dict:
