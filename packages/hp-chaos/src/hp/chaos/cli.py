@@ -9,6 +9,7 @@ hp-checkpointless (it is a dependency of the benchmarks, not of the distribution
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 
@@ -16,15 +17,29 @@ from hp.core.errors import UsageError
 from hp.core.hookspecs import hookimpl
 
 
-def _recovery(args: argparse.Namespace) -> int:
+def _demo_bench(name: str, model_size: str):
+    """The module of a benchmark that runs the demo job (hp-checkpointless and torch must be installed)."""
     try:
-        from hp.chaos.bench_recovery import BenchConfig, format_table, run_bench
+        module = importlib.import_module(f"hp.chaos.bench_{name}")
         from hp.checkpointless.demo.sizes import MODEL_SIZES
     except ImportError as e:
-        raise UsageError(f"hp bench recovery needs hp-checkpointless and torch ({e}); "
+        raise UsageError(f"hp bench {name} needs hp-checkpointless and torch ({e}); "
                          "pip install packages/hp-checkpointless") from None
-    if args.model_size not in MODEL_SIZES:
-        raise UsageError(f"--model-size must be one of {sorted(MODEL_SIZES)}, got {args.model_size!r}")
+    if model_size not in MODEL_SIZES:
+        raise UsageError(f"--model-size must be one of {sorted(MODEL_SIZES)}, got {model_size!r}")
+    return module
+
+
+def _print_result(result: dict, table: str, as_json: bool, ok: str = "completed") -> int:
+    """The table for people, then (``--json``) the result as the last stdout line; the exit code."""
+    print(table, flush=True)
+    if as_json:
+        print(json.dumps(result), flush=True)
+    return 0 if result[ok] else 1
+
+
+def _recovery(args: argparse.Namespace) -> int:
+    bench = _demo_bench("recovery", args.model_size)
     if args.nproc < 2:
         raise UsageError("--nproc must be >= 2 (rank 1 is the one killed)")
     if args.ckpt_every < 1 or args.corpus_mb < 1 or (args.vocab is not None and args.vocab < 2):
@@ -32,14 +47,11 @@ def _recovery(args: argparse.Namespace) -> int:
     if not 0 <= args.fault_step < args.steps - 1:
         raise UsageError(f"--fault-step must be in [0, steps - 1): step {args.fault_step} + 1, the step "
                          f"downtime is measured to, must exist in a {args.steps}-step run")
-    cfg = BenchConfig(model_size=args.model_size, vocab=args.vocab, seq=args.seq, nproc=args.nproc,
-                      steps=args.steps, fault_step=args.fault_step, ckpt_every=args.ckpt_every,
-                      corpus_mb=args.corpus_mb, log_dir=args.log_dir, timeout_s=args.timeout)
-    result = run_bench(cfg)
-    print(format_table(result), flush=True)
-    if args.json:
-        print(json.dumps(result), flush=True)
-    return 0 if result["completed"] else 1
+    cfg = bench.BenchConfig(model_size=args.model_size, vocab=args.vocab, seq=args.seq, nproc=args.nproc,
+                            steps=args.steps, fault_step=args.fault_step, ckpt_every=args.ckpt_every,
+                            corpus_mb=args.corpus_mb, log_dir=args.log_dir, timeout_s=args.timeout)
+    result = bench.run_bench(cfg)
+    return _print_result(result, bench.format_table(result), args.json)
 
 
 def _add_recovery(bench: argparse._SubParsersAction) -> None:
@@ -64,22 +76,12 @@ def _goodput(args: argparse.Namespace) -> int:
         raise UsageError("--nproc must be >= 2 and --spares >= 1 (faults go through spares)")
     if not 0 < args.fault_every < args.duration or args.baseline <= 0 or args.corpus_mb < 1:
         raise UsageError("need 0 < --fault-every < --duration, --baseline > 0 and --corpus-mb >= 1")
-    try:
-        from hp.chaos.bench_goodput import GoodputConfig, format_table, run_bench
-        from hp.checkpointless.demo.sizes import MODEL_SIZES
-    except ImportError as e:
-        raise UsageError(f"hp bench goodput needs hp-checkpointless and torch ({e}); "
-                         "pip install packages/hp-checkpointless") from None
-    if args.model_size not in MODEL_SIZES:
-        raise UsageError(f"--model-size must be one of {sorted(MODEL_SIZES)}, got {args.model_size!r}")
-    cfg = GoodputConfig(duration_s=args.duration, fault_every_s=args.fault_every, baseline_s=args.baseline,
-                        nproc=args.nproc, spares=args.spares, model_size=args.model_size,
-                        corpus_mb=args.corpus_mb, seed=args.seed, log_dir=args.log_dir)
-    result = run_bench(cfg)
-    print(format_table(result), flush=True)
-    if args.json:
-        print(json.dumps(result), flush=True)
-    return 0 if result["completed"] else 1
+    bench = _demo_bench("goodput", args.model_size)
+    cfg = bench.GoodputConfig(duration_s=args.duration, fault_every_s=args.fault_every, baseline_s=args.baseline,
+                              nproc=args.nproc, spares=args.spares, model_size=args.model_size,
+                              corpus_mb=args.corpus_mb, seed=args.seed, log_dir=args.log_dir)
+    result = bench.run_bench(cfg)
+    return _print_result(result, bench.format_table(result), args.json)
 
 
 def _add_goodput(bench: argparse._SubParsersAction) -> None:
