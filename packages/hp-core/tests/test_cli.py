@@ -28,7 +28,8 @@ def test_backends_json_lists_builtin_plugins_with_their_dist():
 
 def test_backends_table():
     out = hp("backends")
-    assert out.returncode == 0 and "transport  gloo" in out.stdout
+    rows = [line.split() for line in out.stdout.splitlines()]
+    assert out.returncode == 0 and rows[0] == ["FAMILY", "NAME", "DIST"] and ["transport", "gloo", "hp-core"] in rows
 
 
 @pytest.mark.parametrize("args, message", [

@@ -33,6 +33,7 @@ from hp.core.control_plane import ControlClient, ControlServer
 from hp.core.controller import Controller, ControllerConfig, spare_holder, spare_id, worker_holder
 from hp.core.errors import ControlPlaneError, HpError
 from hp.core.plugins import get_backend
+from hp.core.services import NodeContext, ServiceError, ServiceHost
 from hp.core.store import StoreServer
 from hp.core.workers import Worker, python_command
 
@@ -72,6 +73,7 @@ class Agent:
         self.transport = get_backend("transport", config.transport)
         self.transport.check_available()
         self.store_backend = get_backend("store", config.store)
+        self.services = ServiceHost(config.services)
         self.log_dir = config.log_dir or tempfile.mkdtemp(prefix=f"hp_{config.run_id}_")
         os.makedirs(self.log_dir, exist_ok=True)
         self.generation = 0
@@ -93,6 +95,7 @@ class Agent:
         try:
             client = self._connect()
             assignment = self._rendezvous(client)
+            self._start_services(client, assignment)
             self._start_workers(assignment)
             return self._monitor(client)
         except SignalException as e:
@@ -118,6 +121,7 @@ class Agent:
             return 1
         finally:
             self._stop_workers(signal.SIGTERM)
+            self.services.stop()
             if self._server:
                 self._server.stop()
             if self._store:
@@ -177,6 +181,25 @@ class Agent:
         self._last_ok = time.monotonic()
         return Assignment(a["generation"], a["world_size"], a["rank_offset"], a["store_host"], a["store_port"])
 
+    # ---- node services (hp.core.services) -----------------------------------------------
+    def _start_services(self, client: ControlClient, a: Assignment) -> None:
+        if not self.cfg.services:
+            return
+        node = NodeContext(run_id=self.cfg.run_id, node_rank=self.cfg.node_rank, nnodes=self.cfg.nnodes,
+                           address=self._address, log_dir=self.log_dir, token=self.token)
+        store = None if self.cfg.nnodes == 1 else self.store_backend.connect(a.store_host, a.store_port)
+
+        def keep_alive() -> None:  # while waiting for the other nodes' services: stay a live node
+            if self._call(client, "heartbeat", {})["state"] == "failed":
+                raise JobFailed("the job failed while node services were starting")
+
+        try:
+            self.services.start(node, store, self.cfg.rdzv_timeout_s, keep_alive)
+        except ServiceError as e:
+            self._tell_stopping(str(e))
+            raise JobFailed(str(e)) from None
+        say(f"node services started: {', '.join(self.cfg.services)}")
+
     # ---- workers ------------------------------------------------------------------------
     def _start_workers(self, a: Assignment) -> None:
         command = self._command = python_command(self.cfg.entrypoint, self.cfg.args, self.cfg.module)
@@ -195,6 +218,7 @@ class Agent:
     def _worker_env(self, w: Worker) -> dict[str, str]:
         a = self._assignment
         env = {k: v for k, v in self.transport.env_defaults().items() if k not in os.environ}
+        env.update(self.services.worker_env())
         if self.cfg.nproc_per_node > 1 and "OMP_NUM_THREADS" not in os.environ:
             env["OMP_NUM_THREADS"] = "1"  # as torchrun: N ranks on one host must not oversubscribe
         if w.spare_id is None:
@@ -254,6 +278,8 @@ class Agent:
             if time.monotonic() >= next_beat:
                 next_beat = time.monotonic() + self.cfg.heartbeat_interval_s
                 beat = self._call(client, "heartbeat", {})
+                for line in self.services.check():
+                    say(line)
                 self.generation = max(self.generation, beat["generation"])
                 for promotion in beat.get("promotions", []):
                     self._promote(promotion)

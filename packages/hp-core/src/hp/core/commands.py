@@ -57,6 +57,9 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
     a("--replenish-spares", action=argparse.BooleanOptionalAction, default=False,
       help="start a new spare each time one of this node's spares takes a rank (default off: the "
            "new process's start competes for CPU with the ranks replaying the failed step)")
+    a("--service", action="append", default=[], metavar="NAME[:KEY=VALUE,...]",
+      help="start a node service beside the workers (repeatable; see `hp backends`, family "
+           "node_service), e.g. --service ckpt:replicas=1 for hp-tiered-ckpt's checkpoint daemon")
     a("--transport", default="gloo", help="collective transport plugin (see `hp backends`)")
     a("--store", default="tcp", help="coordination store plugin")
     a("--run-id", default=None, help="job id shared by every node (default: random)")
@@ -79,6 +82,7 @@ def _run(args: argparse.Namespace) -> int:
         heartbeat_timeout_s=args.heartbeat_timeout, hang_timeout_s=args.hang_timeout, rdzv_timeout_s=args.rdzv_timeout,
         log_dir=args.log_dir, tee=args.tee, spares=args.spares,
         replenish_spares=args.replenish_spares, transport=args.transport, store=args.store,
+        services=list(args.service),
     )
     if args.run_id:
         cfg.run_id = args.run_id
@@ -143,9 +147,10 @@ def _backends(args: argparse.Namespace) -> int:
         print(json.dumps([i.as_dict() for i in infos]))
     else:
         width = max((len(i.name) for i in infos), default=4)
-        print(f"{'FAMILY':<10} {'NAME':<{width}} DIST")
+        fam = max((len(i.family) for i in infos), default=6)
+        print(f"{'FAMILY':<{fam}} {'NAME':<{width}} DIST")
         for i in infos:
-            print(f"{i.family:<10} {i.name:<{width}} {i.dist}")
+            print(f"{i.family:<{fam}} {i.name:<{width}} {i.dist}")
     return 0
 
 

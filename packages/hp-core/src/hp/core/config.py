@@ -7,6 +7,7 @@ import uuid
 from dataclasses import dataclass, field
 
 from hp.core.errors import UsageError
+from hp.core.services import parse_service_spec
 
 DEFAULT_HOST = "127.0.0.1"
 
@@ -66,6 +67,8 @@ class RunConfig:
     replenish_spares: bool = False
     transport: str = "gloo"
     store: str = "tcp"
+    # node services (``NAME[:KEY=VALUE,...]``) started before the workers and stopped after them
+    services: list[str] = field(default_factory=list)
     run_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
 
     def validate(self) -> None:
@@ -86,6 +89,8 @@ class RunConfig:
         for ok, message in checks:
             if not ok:
                 raise UsageError(message)
+        for spec in self.services:
+            parse_service_spec(spec)
         multi_node = self.nnodes > 1 or self.external_controller
         if multi_node and (self.rdzv_endpoint is None or self.rdzv_endpoint.port == 0):
             raise UsageError("--rdzv-endpoint HOST:PORT with a fixed port is required when "

@@ -19,6 +19,7 @@ import pluggy
 
 if TYPE_CHECKING:
     from hp.core.scheduler import SchedulerBackend
+    from hp.core.services import NodeService
     from hp.core.store import StoreBackend
     from hp.core.transport import TransportBackend
 
@@ -69,6 +70,21 @@ def hp_storage_tiers() -> list[object]:
 
     :return: a list of storage tier objects, each with a unique ``name`` and an integer
         ``rank`` (lower is faster) used to order reads.
+    """
+
+
+@hookspec
+def hp_node_services() -> list[NodeService]:
+    """Contribute per-node services (family ``node_service``) that ``hp run --service NAME`` starts.
+
+    A node service is a process (or thread) that must live on every node beside the workers and
+    outlive any one of them: ``hp-tiered-ckpt``'s checkpoint daemon, which holds the memory tier, is
+    one. The agent starts the services named with ``--service`` after the rendezvous and before its
+    workers, tells each one where its counterparts on the other nodes are, passes the environment
+    each returns to every worker it starts, and stops them after its workers.
+    See :class:`hp.core.services.NodeService`.
+
+    :return: a list of node service instances, each with a unique ``name``.
     """
 
 

@@ -21,6 +21,7 @@ FAMILY_HOOKS: dict[str, str] = {
     "scheduler": "hp_scheduler_backends",
     "store": "hp_store_backends",
     "storage": "hp_storage_tiers",
+    "node_service": "hp_node_services",
 }
 
 

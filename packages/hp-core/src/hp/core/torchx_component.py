@@ -29,6 +29,7 @@ def run(
     memMB: int = 1024,  # noqa: N803 (TorchX's resource naming)
     env: Optional[Dict[str, str]] = None,
     log_dir: Optional[str] = None,
+    service: Optional[str] = None,
 ) -> specs.AppDef:
     """A training job under hp's agent: one ``hp run`` per node, workers restarted by hp's controller.
 
@@ -48,6 +49,7 @@ def run(
         memMB: memory per node in MB
         env: extra environment variables for every node
         log_dir: directory for hp's worker logs
+        service: a node service to start on every node, NAME[:KEY=VALUE,...] (e.g. ckpt)
     """
     if (script is None) == (m is None):
         raise ValueError("exactly one of --script and -m must be given")
@@ -63,6 +65,8 @@ def run(
     ]
     if log_dir:
         cmd += ["--log-dir", log_dir]
+    if service:
+        cmd += ["--service", service]
     if nnodes > 1:
         # Every node must share one token; the controller address is node 0's, which TorchX's
         # schedulers expose through the rank0 environment variable (empty on node 0 itself).

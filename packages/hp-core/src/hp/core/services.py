@@ -1,0 +1,157 @@
+"""Per-node services: what ``hp run --service NAME[:KEY=VALUE,...]`` starts beside this node's workers.
+
+Some things must live on every node, next to the workers, and outlive any one of them: the
+checkpoint daemon of ``hp-tiered-ckpt`` holds the memory tier, so that a worker that crashes loses
+nothing. hp-core knows no such service by name; packages contribute them through the
+``node_service`` plugin family (:func:`hp.core.hookspecs.hp_node_services`), and the agent drives
+their lifecycle through :class:`ServiceHost`:
+
+1. ``start(node)`` after the rendezvous and before any worker: the service binds ``node.address``
+   (the interface the other nodes reach this one on, never a wildcard) and returns a
+   :class:`RunningService` whose ``endpoint`` the other nodes need.
+2. Every node publishes each endpoint in the job's store and waits for all the others', so each
+   service learns its counterparts (``connect``), indexed by node rank: a ring of replicas needs it.
+3. ``worker_env()`` goes into the environment of every worker and spare the agent starts.
+4. ``poll()`` each heartbeat: a dead service is reported once and the job goes on (a checkpoint
+   that cannot be taken is a warning in the workers, not a failure of the job).
+5. ``stop()`` after the workers have stopped, whatever ended the job.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field, replace
+from datetime import timedelta
+from typing import TYPE_CHECKING, Callable, Protocol
+
+from hp.core.errors import HpError, UsageError
+
+if TYPE_CHECKING:
+    import torch.distributed as dist
+
+STORE_PREFIX = "hp/node_service"
+
+
+class ServiceError(HpError):
+    """A node service could not start, or its counterparts never showed up."""
+
+
+@dataclass(frozen=True)
+class NodeContext:
+    """What a service is told about the node it runs on."""
+
+    run_id: str
+    node_rank: int
+    nnodes: int
+    address: str  # this node's address as the other nodes (and the controller) see it: bind here
+    log_dir: str  # the job's log directory on this node; a service logs under services/<name>
+    token: str  # the job token: authenticate every connection with it
+    options: dict[str, str] = field(default_factory=dict)  # from --service NAME:KEY=VALUE,...
+
+
+class RunningService(Protocol):
+    """One started service on this node."""
+
+    @property
+    def endpoint(self) -> str:
+        """What the other nodes need to reach this service (e.g. ``HOST:PORT``); may be empty."""
+
+    def connect(self, endpoints: list[str]) -> None:
+        """Every node's endpoint, indexed by node rank (this node's included), once all are known."""
+
+    def worker_env(self) -> dict[str, str]:
+        """Environment variables for every worker and spare started on this node."""
+
+    def poll(self) -> str | None:
+        """None while the service runs; once it has ended, a one-line description of how."""
+
+    def stop(self) -> None:
+        """Stop the service and release what it holds. Called once, after the workers stopped."""
+
+
+class NodeService(Protocol):
+    """A backend of the ``node_service`` family."""
+
+    name: str
+
+    def start(self, node: NodeContext) -> RunningService:
+        """Start this node's instance; raise :class:`ServiceError` (or ``UsageError`` for bad
+        options) if it cannot run. Must return once the service accepts connections."""
+
+
+def parse_service_spec(spec: str) -> tuple[str, dict[str, str]]:
+    """``NAME`` or ``NAME:KEY=VALUE,KEY=VALUE`` (as given to ``--service``) -> (name, options)."""
+    name, _, rest = spec.partition(":")
+    if not name or not name.replace("-", "").replace("_", "").isalnum():
+        raise UsageError(f"--service: expected NAME[:KEY=VALUE,...], got {spec!r}")
+    options: dict[str, str] = {}
+    for item in filter(None, rest.split(",")):
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise UsageError(f"--service {name}: expected KEY=VALUE, got {item!r}")
+        options[key.strip()] = value.strip()
+    return name, options
+
+
+class ServiceHost:
+    """The node services of one agent, started and stopped together."""
+
+    def __init__(self, specs: list[str]) -> None:
+        from hp.core.plugins import get_backend
+
+        parsed = [parse_service_spec(s) for s in specs]
+        names = [name for name, _ in parsed]
+        if len(set(names)) != len(names):
+            raise UsageError(f"--service: a service is named twice in {names}")
+        self._specs = [(get_backend("node_service", name), options) for name, options in parsed]
+        self._running: list[tuple[str, RunningService]] = []
+        self._reported: set[str] = set()
+        self._env: dict[str, str] = {}
+
+    def start(self, node: NodeContext, store: dist.Store | None, timeout_s: float,
+              keep_alive: Callable[[], None] = lambda: None) -> None:
+        """Start every service, then exchange endpoints with the other nodes through ``store``.
+        ``keep_alive`` is called while waiting (the agent heartbeats, and learns if the job failed)."""
+        for backend, options in self._specs:
+            running = backend.start(replace(node, options=options))
+            self._running.append((backend.name, running))
+        for name, running in self._running:
+            endpoints = [running.endpoint] if node.nnodes == 1 else \
+                self._exchange(store, name, node, running.endpoint, timeout_s, keep_alive)
+            running.connect(endpoints)
+            self._env.update(running.worker_env())
+
+    @staticmethod
+    def _exchange(store: dist.Store, name: str, node: NodeContext, endpoint: str, timeout_s: float,
+                  keep_alive: Callable[[], None]) -> list[str]:
+        keys = [f"{STORE_PREFIX}/{name}/{n}" for n in range(node.nnodes)]
+        store.set(keys[node.node_rank], endpoint)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                store.wait(keys, timedelta(seconds=1))
+                return [store.get(k).decode() for k in keys]
+            except RuntimeError:  # torch's store timeout (DistStoreError is a RuntimeError)
+                missing = [n for n, k in enumerate(keys) if not store.check([k])]
+                if time.monotonic() > deadline:
+                    raise ServiceError(f"node service {name}: nodes {missing} did not publish their "
+                                       f"endpoints within {timeout_s:.0f} s") from None
+                keep_alive()
+
+    def worker_env(self) -> dict[str, str]:
+        return dict(self._env)
+
+    def check(self) -> list[str]:
+        """One line for each service that has ended since the last check."""
+        lines = []
+        for name, running in self._running:
+            ended = running.poll()
+            if ended is not None and name not in self._reported:
+                self._reported.add(name)
+                lines.append(f"node service {name} ended: {ended}; its workers go on without it")
+        return lines
+
+    def stop(self) -> None:
+        while self._running:
+            _, running = self._running.pop()
+            running.stop()
