@@ -17,11 +17,11 @@ from hp.core.errors import UsageError
 from hp.core.hookspecs import hookimpl
 
 
-def _addr(text: str) -> tuple[str, int]:
+def _addr(text: str, any_port: bool = False) -> tuple[str, int]:
     from hp.tiered_ckpt.wire import parse_addr
 
     try:
-        return parse_addr(text)
+        return parse_addr(text, any_port)
     except ValueError as e:
         raise UsageError(str(e)) from None
 
@@ -41,10 +41,11 @@ def _daemon(args: argparse.Namespace) -> int:
     peers = [_addr(p) for p in args.peers.split(",") if p] if args.peers else []
     if args.replicas > len(peers):
         print(f"hp ckpt daemon: warning: --replicas {args.replicas} but only {len(peers)} peers", file=sys.stderr)
-    host, port = _addr(args.listen)
+    host, port = _addr(args.listen, any_port=True)
     main(DaemonConfig(root=Path(args.dir), token=_token(), host=host, port=port, peers=peers,
                       replicas=args.replicas, keep_memory=args.keep_memory,
-                      keep_persistent=args.keep_persistent), ready_file=args.ready_file)
+                      keep_persistent=args.keep_persistent), ready_file=args.ready_file,
+         parent_pid=args.parent_pid)
     return 0
 
 
@@ -133,6 +134,7 @@ def add_daemon_args(d: argparse.ArgumentParser) -> None:
     d.add_argument("--keep-memory", type=int, default=2)
     d.add_argument("--keep-persistent", type=int, default=3)
     d.add_argument("--ready-file", default=None, help="write HOST:PORT here once listening")
+    d.add_argument("--parent-pid", type=int, default=None, help="exit once this process is no longer the parent")
     d.set_defaults(handler=_daemon)
 
 

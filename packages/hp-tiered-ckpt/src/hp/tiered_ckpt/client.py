@@ -71,5 +71,8 @@ class DaemonClient:
     def gc(self, ns: str, keep: int) -> list[int]:
         return self._call("gc", ns=ns, keep=keep)[0]["removed"]
 
+    def set_peers(self, peers: list[str]) -> list[list]:
+        return self._call("peers", peers=peers)[0]["peers"]
+
     def status(self) -> dict:
         return self._call("status")[0]

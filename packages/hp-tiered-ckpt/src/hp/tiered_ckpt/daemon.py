@@ -9,6 +9,7 @@ token (:mod:`hp.tiered_ckpt.wire`); the daemon binds the address it is given (12
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import socket
 import socketserver
@@ -142,6 +143,14 @@ class Daemon:
         with open(f.path, "rb") as fh:
             fh.seek(off)
             return {}, fh.read(n)
+
+    def _op_peers(self, sock, h):
+        """Set the other nodes' daemons (ring order): ``hp run --service ckpt`` learns them only after
+        every node's daemon is listening. Replaced as one list, so a replication in flight sees
+        either the old ring or the new one."""
+        peers = [wire.parse_addr(p) for p in h["peers"]]
+        self.cfg.peers = peers
+        return {"peers": [list(p) for p in peers]}, None
 
     def _op_gc(self, sock, h):
         return {"removed": self.store.gc(h["ns"], int(h["keep"]))}, None
@@ -312,7 +321,18 @@ class Daemon:
             self._event("persistent_gc", ns=ns, removed=removed)
 
 
-def main(cfg: DaemonConfig, ready_file: str | None = None) -> None:
+def _exit_with(parent_pid: int) -> None:
+    """Leave when the process that started this daemon (``hp run``'s agent) is gone: a node whose
+    agent was killed must not keep a memory tier that nobody will read, or its port."""
+    while os.getppid() == parent_pid:
+        time.sleep(0.2)
+    log.warning("parent %d is gone; exiting", parent_pid)
+    os._exit(0)
+
+
+def main(cfg: DaemonConfig, ready_file: str | None = None, parent_pid: int | None = None) -> None:
+    if parent_pid is not None:
+        threading.Thread(target=_exit_with, args=(parent_pid,), daemon=True).start()
     d = Daemon(cfg)
     host, port = d.address
     line = f"hp ckpt daemon listening on {host}:{port}"

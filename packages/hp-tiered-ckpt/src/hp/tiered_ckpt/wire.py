@@ -131,9 +131,10 @@ def request(addr: tuple[str, int], token: str, header: dict, payload: bytes | Bi
         return exchange(sock, token, header, payload, limit, crc, nbytes)
 
 
-def parse_addr(text: str) -> tuple[str, int]:
-    """``HOST:PORT`` → (host, port); ValueError with a clear message otherwise."""
+def parse_addr(text: str, any_port: bool = False) -> tuple[str, int]:
+    """``HOST:PORT`` → (host, port); ValueError with a clear message otherwise. ``any_port``
+    accepts port 0 (a listener's "pick a free one")."""
     host, sep, port = text.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+    if not sep or not host or not port.isdigit() or not (0 if any_port else 1) <= int(port) < 65536:
         raise ValueError(f"expected HOST:PORT, got {text!r}")
     return host, int(port)
