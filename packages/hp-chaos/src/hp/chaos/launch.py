@@ -16,7 +16,7 @@ import signal
 import subprocess
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -37,20 +37,32 @@ def demo_config(job: JobSpec, spares: int | None = None, train_args: list[str] =
                       seed=job.seed, max_restarts=job.max_restarts, train_args=list(train_args))
 
 
+def agent_flags(nnodes: int, node: int, endpoint: str | None, extra: Sequence[str] = ()) -> list[str]:
+    """``hp run`` flags of one node of an ``nnodes`` job whose controller is at ``endpoint``."""
+    flags = list(extra)
+    if nnodes > 1:
+        flags += ["--nnodes", str(nnodes), "--node-rank", str(node)]
+    if endpoint:
+        flags += ["--rdzv-endpoint", endpoint]
+    return flags
+
+
 def node_command(job: JobSpec, cfg: DemoConfig, log_dir: str, node: int, endpoint: str | None) -> list[str]:
     """``hp run`` of one node: the demo's command with the job's agent flags added."""
-    cmd = job_command(cfg, log_dir)
-    run = cmd.index("run") + 1
     flags = ["--heartbeat-timeout", str(job.heartbeat_timeout_s)]
     if job.replenish_spares:
         flags.append("--replenish-spares")
-    if job.nodes > 1:
-        flags += ["--nnodes", str(job.nodes), "--node-rank", str(node)]
-    if endpoint:
-        flags += ["--rdzv-endpoint", endpoint]
     if job.controller == "standalone":
         flags.append("--external-controller")
-    return [*cmd[:run], *flags, *cmd[run:]]
+    return job_command(cfg, log_dir, agent_flags(job.nodes, node, endpoint, flags))
+
+
+def start_agent(topo: Any, node: int, argv: list[str], env: dict[str, str], **popen: Any) -> subprocess.Popen:
+    """One node's agent: inside the node's namespace with gloo on its veth, or on loopback without
+    a topology."""
+    if topo is None:
+        return subprocess.Popen(argv, env=env, **popen)
+    return topo.run_in(node, argv, {**env, "GLOO_SOCKET_IFNAME": topo.ifname(node)}, **popen)
 
 
 def controller_command(job: JobSpec, host: str, port: int, log_dir: str) -> list[str]:
@@ -158,13 +170,8 @@ def run_job(job: JobSpec, log_dir: str, hp_faults: list[dict], actions: list[Act
             kw = {"stdout": out, "stderr": subprocess.STDOUT, "start_new_session": True}
             controller = topo.run_in(0, argv, base_env, **kw) if topo else subprocess.Popen(argv, env=base_env, **kw)
         for i, node_dir in enumerate(node_dirs):
-            argv = node_command(job, cfg, node_dir, i, endpoint)
-            if topo:
-                agents.append(topo.run_in(i, argv, {**base_env, "GLOO_SOCKET_IFNAME": topo.ifname(i)},
-                                          stdout=out, stderr=subprocess.STDOUT, start_new_session=True))
-            else:
-                agents.append(subprocess.Popen(argv, env=base_env, stdout=out, stderr=subprocess.STDOUT,
-                                               start_new_session=True))
+            agents.append(start_agent(topo, i, node_command(job, cfg, node_dir, i, endpoint), base_env,
+                                      stdout=out, stderr=subprocess.STDOUT, start_new_session=True))
         live = Live(agents, _Tail([os.path.join(d, "events") for d in node_dirs]),
                     EventLog(os.path.join(node_dirs[0], "events"), "chaos"), storage, topo, job.spares, controller)
         try:

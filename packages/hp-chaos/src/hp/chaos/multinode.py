@@ -1,8 +1,10 @@
-"""The `hp demo` training job on several "nodes": one ``hp run`` agent per network namespace.
+"""The `hp demo` training job on several "nodes", driven step by step from a test.
 
-Each node runs :func:`hp.checkpointless.demo.run.job_command` with ``--nnodes/--node-rank/
---rdzv-endpoint`` added, inside its namespace of a :class:`~hp.chaos.topology.Topology`, with gloo on
-the node's veth. Node 0 hosts the controller and the store on its address. Every node logs to its
+:func:`hp.chaos.launch.run_job` runs a scenario's job to its end with faults fired on the way;
+this is the same launch (:func:`~hp.chaos.launch.agent_flags`, :func:`~hp.chaos.launch.start_agent`)
+held open, for tests that act on the job themselves. Each node runs
+:func:`hp.checkpointless.demo.run.job_command` with the multi-node flags added, inside its namespace
+of a :class:`~hp.chaos.topology.Topology`, with gloo on the node's veth. Node 0 hosts the controller and the store on its address. Every node logs to its
 own directory; :meth:`MultiNodeJob.result` merges their event logs into one
 :class:`~hp.checkpointless.demo.run.RunResult`, so ``compare`` and friends work unchanged.
 
@@ -21,19 +23,13 @@ import subprocess
 import time
 import uuid
 
+from hp.chaos.launch import agent_flags, start_agent
 from hp.chaos.topology import Topology
 from hp.checkpointless.demo.run import DemoConfig, RunResult, job_command
 from hp.checkpointless.events import read_events
 from hp.core import auth
 
 CONTROLLER_PORT = 29400  # each namespace has its own ports: a fixed one cannot collide
-
-
-def node_command(cfg: DemoConfig, log_dir: str, nnodes: int, node_rank: int, endpoint: str,
-                 agent_flags: list[str]) -> list[str]:
-    """``job_command`` of one node, with the multi-node flags."""
-    return job_command(cfg, log_dir, ["--nnodes", str(nnodes), "--node-rank", str(node_rank),
-                                      "--rdzv-endpoint", endpoint, *agent_flags])
 
 
 class MultiNodeJob:
@@ -65,11 +61,10 @@ class MultiNodeJob:
         self._start = time.monotonic()
         for i in range(self.topo.nodes):
             cfg = dataclasses.replace(self.cfg, spares=self.spares[i])
-            cmd = node_command(cfg, self.log_dir(i), self.topo.nodes, i, endpoint,
-                               ["--run-id", run_id, *self.agent_flags])
+            cmd = job_command(cfg, self.log_dir(i),
+                              agent_flags(self.topo.nodes, i, endpoint, ["--run-id", run_id, *self.agent_flags]))
             out = open(os.path.join(self.root, f"node{i}.out"), "w")
-            self.procs.append(self.topo.run_in(i, cmd, {**env, "GLOO_SOCKET_IFNAME": self.topo.ifname(i)},
-                                               stdout=out, stderr=subprocess.STDOUT))
+            self.procs.append(start_agent(self.topo, i, cmd, env, stdout=out, stderr=subprocess.STDOUT))
             out.close()  # the child has its own copy
         return self
 
