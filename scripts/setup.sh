@@ -25,5 +25,5 @@ fi
     -e "packages/hp-elastic[test]" \
     -e "packages/hp-checkpointless[test]" \
     -e "packages/hp-tiered-ckpt[test]" \
-    -e "packages/hp-chaos[test]"
+    -e "packages/hp-chaos[test,torchft]"
 echo "setup: .venv ready ($(.venv/bin/python -c 'import torch; print("torch", torch.__version__)'))"

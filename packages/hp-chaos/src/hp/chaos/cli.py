@@ -42,21 +42,23 @@ def _recovery(args: argparse.Namespace) -> int:
     bench = _demo_bench("recovery", args.model_size)
     if args.nproc < 2:
         raise UsageError("--nproc must be >= 2 (rank 1 is the one killed)")
-    if args.ckpt_every < 1 or args.corpus_mb < 1 or (args.vocab is not None and args.vocab < 2):
-        raise UsageError("--ckpt-every and --corpus-mb must be >= 1, --vocab >= 2")
+    if args.ckpt_every < 1 or args.corpus_mb < 1 or (args.vocab is not None and args.vocab < 2) \
+            or args.torchft_heartbeat_timeout_ms < 1:
+        raise UsageError("--ckpt-every, --corpus-mb and --torchft-heartbeat-timeout-ms must be >= 1, --vocab >= 2")
     if not 0 <= args.fault_step < args.steps - 1:
         raise UsageError(f"--fault-step must be in [0, steps - 1): step {args.fault_step} + 1, the step "
                          f"downtime is measured to, must exist in a {args.steps}-step run")
     cfg = bench.BenchConfig(model_size=args.model_size, vocab=args.vocab, seq=args.seq, nproc=args.nproc,
                             steps=args.steps, fault_step=args.fault_step, ckpt_every=args.ckpt_every,
-                            corpus_mb=args.corpus_mb, log_dir=args.log_dir, timeout_s=args.timeout)
+                            corpus_mb=args.corpus_mb, log_dir=args.log_dir, timeout_s=args.timeout,
+                            torchft_heartbeat_timeout_ms=args.torchft_heartbeat_timeout_ms)
     result = bench.run_bench(cfg)
     return _print_result(result, bench.format_table(result), args.json)
 
 
 def _add_recovery(bench: argparse._SubParsersAction) -> None:
     p = bench.add_parser("recovery", help="downtime after a SIGKILL of rank 1: hp with a hot spare vs "
-                                          "torchrun + DCP checkpoint-restart (vs torchft where installed)")
+                                          "torchrun + DCP checkpoint-restart vs torchft (where installed)")
     p.add_argument("--model-size", default="25m", help="tiny | small | 25m (default 25m: INFRA.md's baseline model)")
     p.add_argument("--vocab", type=int, default=None, help="default: 8192 for 25m (~27 M params), else 256")
     p.add_argument("--seq", type=int, default=64)
@@ -66,6 +68,8 @@ def _add_recovery(bench: argparse._SubParsersAction) -> None:
     p.add_argument("--ckpt-every", type=int, default=10, help="baseline: DCP save after each step s, s %% K == 0")
     p.add_argument("--corpus-mb", type=int, default=16)
     p.add_argument("--timeout", type=float, default=900.0, help="seconds per job before it is killed")
+    p.add_argument("--torchft-heartbeat-timeout-ms", type=int, default=5000,
+                   help="torchft: how long its Lighthouse waits for a silent replica group (torchft's default)")
     p.add_argument("--log-dir", default=None, help="default: a new temporary directory")
     p.add_argument("--json", action="store_true", help="last stdout line: one JSON object")
     p.set_defaults(handler=_recovery)
