@@ -252,3 +252,54 @@ def test_a_bad_added_spare_is_refused(spare, status, message):
     with pytest.raises(Refused) as e:
         c.handle("spare_added", {"node_rank": 1, "spare": spare})
     assert e.value.status == status and message in e.value.message
+
+
+# ---- spare readiness -------------------------------------------------------------------------
+def test_a_ready_spare_is_promoted_before_one_still_starting_even_across_nodes():
+    c, _ = running(spares=1)
+    c.handle("worker_failed", {"node_rank": 1, "generation": 1, "rank": 4, "signal": "SIGKILL"})  # takes n1s0
+    c.handle("spare_added", {"node_rank": 1, "spare": "n1s1"})  # starting: node 1's own, but not ready
+    assert c.handle("spare_ready", {"node_rank": 0, "spare": "n0s0"}) == {"ready": True}
+    d = c.handle("worker_failed", {"node_rank": 1, "generation": 2, "rank": 5, "signal": "SIGKILL"})
+    assert d == {"action": "moved", "rank": 5, "node": 0, "generation": 3}
+    assert c.decisions[-1]["decision"] == "promote_spare" and c.decisions[-1]["ready"] is True
+    assert c.snapshot()["ready_spares"] == [] and sorted(c.free_spares) == ["n1s1"]
+    # with no ready spare left, the one still starting is used rather than failing the job
+    d = c.handle("worker_failed", {"node_rank": 1, "generation": 3, "rank": 3, "signal": "SIGKILL"})
+    assert d["action"] == "promote_spare" and d["spare"] == "n1s1"
+    assert c.decisions[-1]["ready"] is False
+
+
+def test_among_ready_spares_the_failed_rank_s_own_node_goes_first():
+    c, _ = running(spares=2)
+    for node, spare in [(0, "n0s0"), (1, "n1s1")]:
+        c.handle("spare_ready", {"node_rank": node, "spare": spare})
+    d = c.handle("worker_failed", {"node_rank": 1, "generation": 1, "rank": 4, "signal": "SIGKILL"})
+    assert d["spare"] == "n1s1"  # ready and local, before n1s0 (local, starting) and n0s0 (ready, remote)
+    assert [x["spare"] for x in c.decisions if x["decision"] == "spare_ready"] == ["n0s0", "n1s1"]
+
+
+def test_a_lost_node_s_ranks_take_ready_spares_first():
+    c, clock = running(nproc=1, spares=2, heartbeat_timeout_s=5)
+    c.handle("spare_ready", {"node_rank": 0, "spare": "n0s1"})
+    clock.now += 6
+    c.handle("heartbeat", {"node_rank": 0, "generation": 1})
+    c.check_liveness()
+    assert c.holders[1] == "spare.n0s1" and sorted(c.free_spares) == ["n0s0"]
+
+
+@pytest.mark.parametrize("node, spare", [(1, "n0s0"), (0, "n0s7")])  # another node's spare; never added
+def test_readiness_of_a_spare_that_is_not_free_there_changes_nothing(node, spare):
+    c, _ = running(spares=1)
+    assert c.handle("spare_ready", {"node_rank": node, "spare": spare}) == {"ready": False}
+    assert c.snapshot()["ready_spares"] == [] and "spare_ready" not in [x["decision"] for x in c.decisions]
+
+
+def test_a_promoted_or_dead_spare_is_no_longer_ready():
+    c, _ = running(spares=1)
+    for node in (0, 1):
+        c.handle("spare_ready", {"node_rank": node, "spare": f"n{node}s0"})
+    c.handle("worker_failed", {"node_rank": 1, "generation": 1, "rank": 4, "signal": "SIGKILL"})
+    c.handle("spare_failed", {"node_rank": 0, "spare": "n0s0"})
+    assert c.snapshot()["ready_spares"] == [] and c.free_spares == {}
+    assert c.handle("spare_ready", {"node_rank": 1, "spare": "n1s0"}) == {"ready": False}  # late report

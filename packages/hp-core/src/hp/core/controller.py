@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, Callable
 
+from hp.core.spares import SparePool, spare_holder, spare_id, spare_key  # noqa: F401 (re-exported)
+
 log = logging.getLogger("hp.controller")
 
 # Store keys the controller publishes for workers (see hp.checkpointless): the latest generation,
@@ -27,21 +29,9 @@ def generation_key(generation: int) -> str:
     return f"hp/plan/{generation}"
 
 
-def spare_key(spare: str) -> str:
-    return f"hp/spare/{spare}"
-
-
-def spare_id(node_rank: int, index: int) -> str:
-    return f"n{node_rank}s{index}"
-
-
 def worker_holder(rank: int, attempt: int) -> str:
     """Id of the process holding ``rank`` after ``attempt`` restarts."""
     return f"r{rank}.{attempt}"
-
-
-def spare_holder(spare: str) -> str:
-    return f"spare.{spare}"
 
 
 class JobState(str, Enum):
@@ -114,8 +104,8 @@ class Controller:
         self.members: dict[int, int] = {}  # rank -> node_rank currently holding it
         self.holders: dict[int, str] = {}  # rank -> id of the process holding it (fences out old ones)
         self.rank_restarts: dict[int, int] = {}
-        self.free_spares: dict[str, int] = {}  # spare id -> node_rank
-        self.spares_seen: set[str] = set()  # every spare id ever registered: a promoted one never comes back
+        self.spares = SparePool()
+        self.free_spares = self.spares.free  # spare id -> node_rank (the pool's own dict)
         self.rank_exceptions: dict[int, int] = {}
         self.decisions: list[dict] = []
         self._handlers = {
@@ -126,6 +116,7 @@ class Controller:
             "rank_failed": self._rank_failed,
             "spare_failed": self._spare_failed,
             "spare_added": self._spare_added,
+            "spare_ready": self._spare_ready,
             "node_done": self._node_done,
             "node_stopping": self._node_stopping,
             "state": lambda p: self.snapshot(),
@@ -169,25 +160,17 @@ class Controller:
             node.lost = True
             self._log("node_lost", node_rank=node.node_rank, host=node.host, address=node.address,
                       silent_s=round(now - node.last_seen, 3))
-        for spare in [s for s, owner in self.free_spares.items() if owner in gone]:
-            del self.free_spares[spare]  # died with their node
+        self.spares.drop_nodes(gone)
         ranks = sorted(r for r, owner in self.members.items() if owner in gone)
-        spares = sorted(self.free_spares)
+        spares = self.spares.order()
         if len(spares) < len(ranks):
             self._fail(f"{names} lost: no heartbeat for {silent:.1f} s; its ranks {ranks} need {len(ranks)} "
                        f"spare(s) on the surviving nodes, {len(spares)} free")
             return
-        moves = list(zip(ranks, spares))
-        for rank, spare in moves:
-            self.members[rank] = self.free_spares.pop(spare)
-            self.holders[rank] = spare_holder(spare)
+        moves = [(rank, spare, self._give(rank, spare)) for rank, spare in zip(ranks, spares)]
         self._bump("node_lost", nodes=sorted(gone), ranks=ranks)
-        for rank, spare in moves:
-            owner = self.members[rank]
-            self._log("promote_spare", rank=rank, spare=spare, spare_node=owner, failed_node=None,
-                      cause=f"{names} lost")
-            self._publish(spare_key(spare), json.dumps({"rank": rank, "generation": self.generation}))
-            self.nodes[owner].promotions.append({"spare": spare, "rank": rank, "generation": self.generation})
+        for rank, spare, ready in moves:
+            self._announce(rank, spare, ready, None, f"{names} lost")
 
     def snapshot(self) -> dict:
         return {
@@ -197,6 +180,7 @@ class Controller:
             "restarts": self.restarts,
             "members": dict(self.members),
             "free_spares": sorted(self.free_spares),
+            "ready_spares": sorted(self.spares.ready),
             "nodes": {n.node_rank: {"host": n.host, "nproc": n.nproc, "done": n.done, "lost": n.lost}
                       for n in self.nodes.values()},
             "decisions": len(self.decisions),
@@ -291,8 +275,8 @@ class Controller:
                 node.last_seen = self._clock()
                 self.members.update({r: node.node_rank for r in range(offset, offset + node.nproc)})
                 self.holders.update({r: worker_holder(r, 0) for r in range(offset, offset + node.nproc)})
-                self.free_spares.update({spare_id(node.node_rank, i): node.node_rank for i in range(node.spares)})
-                self.spares_seen.update({spare_id(node.node_rank, i) for i in range(node.spares)})
+                for i in range(node.spares):
+                    self.spares.add(spare_id(node.node_rank, i), node.node_rank)
                 offset += node.nproc
             self.state = JobState.RUNNING
             self._bump("rendezvous_complete", world_size=offset)
@@ -343,20 +327,14 @@ class Controller:
         exitcode, signal_name = p.get("exitcode"), p.get("signal")
         who = f"rank {rank} (node {node.node_rank}, pid {p.get('pid')})"
         cause = describe_exit(exitcode, signal_name if isinstance(signal_name, str) else None)
-        spare = self._pick_spare(node.node_rank)
+        spare = self.spares.pick(node.node_rank)
         if spare is not None:
-            owner = self.free_spares.pop(spare)
-            self.members[rank] = owner
-            self.holders[rank] = spare_holder(spare)
+            ready = self._give(rank, spare)
             self._bump("spare_promoted", rank=rank, spare=spare, cause=cause)
-            self._log("promote_spare", rank=rank, spare=spare, spare_node=owner, failed_node=node.node_rank,
-                      cause=cause)
-            self._publish(spare_key(spare), json.dumps({"rank": rank, "generation": self.generation}))
-            promotion = {"spare": spare, "rank": rank, "generation": self.generation}
-            if owner == node.node_rank:
+            promotion = self._announce(rank, spare, ready, node.node_rank, cause)
+            if self.members[rank] == node.node_rank:
                 return {"action": "promote_spare", **promotion}
-            self.nodes[owner].promotions.append(promotion)
-            return {"action": "moved", "rank": rank, "node": owner, "generation": self.generation}
+            return {"action": "moved", "rank": rank, "node": self.members[rank], "generation": self.generation}
         if self.restarts < self.config.max_restarts:
             self.restarts += 1
             attempt = self.rank_restarts[rank] = self.rank_restarts.get(rank, 0) + 1
@@ -367,14 +345,29 @@ class Controller:
         message = p.get("message")
         detail = f": {message}" if isinstance(message, str) and message else ""
         spent = f"restarts exhausted ({self.restarts}/{self.config.max_restarts})"
-        if self.spares_seen:
-            spent = f"no spare left ({len(self.spares_seen)} started) and {spent}"
+        if self.spares.seen:
+            spent = f"no spare left ({len(self.spares.seen)} started) and {spent}"
         self._fail(f"{who} {cause}{detail}; {spent}")
         return {"action": "stop", "reason": self.reason, "generation": self.generation}
 
-    def _pick_spare(self, node_rank: int) -> str | None:
-        local = sorted(s for s, n in self.free_spares.items() if n == node_rank)
-        return (local or sorted(self.free_spares) or [None])[0]
+    def _give(self, rank: int, spare: str) -> bool:
+        """Hand ``rank`` to a free spare (before the generation bump); returns whether it was ready."""
+        ready = spare in self.spares.ready
+        self.members[rank] = self.spares.take(spare)
+        self.holders[rank] = spare_holder(spare)
+        return ready
+
+    def _announce(self, rank: int, spare: str, ready: bool, failed_node: int | None, cause: str) -> dict:
+        """After the bump: log the promotion, tell the spare its rank through the store, and queue it
+        for the spare's agent unless that agent reported the failure (it hears the answer)."""
+        owner = self.members[rank]
+        self._log("promote_spare", rank=rank, spare=spare, spare_node=owner, failed_node=failed_node,
+                  cause=cause, ready=ready)
+        promotion = {"spare": spare, "rank": rank, "generation": self.generation}
+        self._publish(spare_key(spare), json.dumps({"rank": rank, "generation": self.generation}))
+        if owner != failed_node:
+            self.nodes[owner].promotions.append(promotion)
+        return promotion
 
     def _rank_failed(self, p: dict) -> dict:
         """A worker recovered in process from a failure of its own step (an exception, a
@@ -402,7 +395,7 @@ class Controller:
         node = self._node(p)
         spare = _field(p, "spare", str)
         if self.free_spares.get(spare) == node.node_rank:
-            del self.free_spares[spare]
+            self.spares.take(spare)
             self._log("spare_lost", spare=spare, node_rank=node.node_rank)
         return {"free_spares": len(self.free_spares)}
 
@@ -411,15 +404,21 @@ class Controller:
         node = self._node(p)
         self._require_running()
         spare = _field(p, "spare", str)
-        prefix = spare_id(node.node_rank, 0)[:-1]
-        if not (spare.startswith(prefix) and spare[len(prefix):].isdigit()):
-            raise Refused(400, f"spare id {spare!r} of node {node.node_rank} must look like {prefix}<k>")
-        if spare in self.spares_seen:
-            raise Refused(409, f"spare id {spare!r} was already used in this job")
-        self.spares_seen.add(spare)
-        self.free_spares[spare] = node.node_rank
+        if (problem := self.spares.invalid_new(spare, node.node_rank)) is not None:
+            raise Refused(*problem)
+        self.spares.add(spare, node.node_rank)
         self._log("spare_added", spare=spare, node_rank=node.node_rank)
         return {"free_spares": len(self.free_spares)}
+
+    def _spare_ready(self, p: dict) -> dict:
+        """A spare finished starting (sent by the spare itself): it goes before spares still starting.
+        One promoted meanwhile, or lost, is answered ``ready: false`` and changes nothing."""
+        node = self._node(p)
+        spare = _field(p, "spare", str)
+        ready = self.spares.mark_ready(spare, node.node_rank)
+        if ready:
+            self._log("spare_ready", spare=spare, node_rank=node.node_rank)
+        return {"ready": ready}
 
     def _node_done(self, p: dict) -> dict:
         node = self._fence(p)
