@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import signal
 import subprocess
+import time
+from pathlib import Path
 
 from hp.checkpointless.demo.run import DemoConfig, RunResult, job_command
 from hp.checkpointless.events import read_events
@@ -64,3 +68,61 @@ def test_bench_goodput_bad_input_is_a_one_line_error(tmp_path):
         out = subprocess.run([*HP, "bench", "goodput", *args], capture_output=True, text=True, timeout=60)
         assert out.returncode == 2 and message in out.stderr and "Traceback" not in out.stderr, out.stderr
         assert len(out.stderr.strip().splitlines()) == 1
+
+
+def _wait(predicate, timeout_s: float, what: str, proc: subprocess.Popen, out_path):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        assert proc.poll() is None, f"the job ended (exit {proc.returncode}) before {what}:\n{out_path.read_text()[-3000:]}"
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}:\n{out_path.read_text()[-3000:]}")
+
+
+def test_a_replacement_spare_starts_at_low_priority_reports_ready_and_is_promoted_as_ready(tmp_path):
+    (tmp_path / "cache").mkdir()
+    logs, out_path = tmp_path / "logs", tmp_path / "hp_run.out"
+    env = {**os.environ, "HP_DATA_CACHE_DIR": str(tmp_path / "cache"), "HP_TEST_DIR": str(tmp_path),
+           "HP_FAULTS": json.dumps([{"at_step": 3, "phase": "forward", "kind": "kill", "rank": 1}])}
+    cmd = job_command(DemoConfig(nproc=2, spares=1, steps=10**6, corpus_mb=2, hang_timeout_s=20.0), str(logs))
+    at = cmd.index("run") + 1
+    cmd[at:at] = ["--replenish-spares"]
+
+    def decisions() -> list[dict]:
+        path = logs / "controller_decisions.jsonl"
+        return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+    with open(out_path, "w") as out:
+        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+    try:
+        line = _wait(lambda: re.search(r"started spare n0s1 \(pid (\d+)([^)]*)\)", out_path.read_text()),
+                     180, "the replacement spare", proc, out_path)
+        pid = int(line.group(1))
+        if os.path.exists(f"/proc/{pid}/autogroup"):  # lowered through its session's autogroup
+            assert "autogroup nice 19" in line.group(2)
+            lowered = (Path(f"/proc/{pid}/autogroup").read_text(), os.sched_getscheduler(pid))
+        _wait(lambda: any(d["decision"] == "spare_ready" and d["spare"] == "n0s1" for d in decisions()),
+              180, "the replacement spare's readiness", proc, out_path)
+        if os.path.exists(f"/proc/{pid}/autogroup"):  # ready: it raised itself back
+            assert lowered[0].split()[-1] == "19" and "nice 0" in Path(f"/proc/{pid}/autogroup").read_text()
+            assert (lowered[1] == os.SCHED_IDLE) == (os.geteuid() == 0)  # SCHED_IDLE only where it is undone
+            assert os.sched_getscheduler(pid) == os.SCHED_OTHER
+        holder = [e for e in read_events(str(logs / "events")) if e["event"] == "pg_ready" and e.get("rank") == 0][-1]
+        os.kill(holder["pid"], signal.SIGKILL)
+        promoted = _wait(lambda: [d for d in decisions() if d["decision"] == "promote_spare" and d["spare"] == "n0s1"],
+                         60, "the second promotion", proc, out_path)
+        assert promoted[0]["rank"] == 0 and promoted[0]["ready"] is True
+        first = [d for d in decisions() if d["decision"] == "promote_spare"][0]
+        assert first["spare"] == "n0s0" and first["ready"] is True  # the initial spare reported ready too
+        _wait(lambda: any(e["event"] == "commit" and e.get("generation") == promoted[0]["generation"]
+                          for e in read_events(str(logs / "events"))), 60, "a commit after it", proc, out_path)
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            pass
+        kill_tagged(f"HP_TEST_DIR={tmp_path}")
+        proc.wait()

@@ -27,6 +27,7 @@ from hp.checkpointless import hydration, ladder, membership, sharded, state
 from hp.checkpointless.rng import capture_rng, restore_rng
 from hp.checkpointless.events import EventLog
 from hp.checkpointless.faults import FaultPlan
+from hp.core import priority
 from hp.core.auth import TOKEN_ENV
 from hp.core.control_plane import ControlClient
 from hp.core.errors import ControlPlaneError, UsageError
@@ -380,7 +381,13 @@ class Context:
 
     def _join(self) -> None:
         if self.role == "spare":
-            self.events.record("spare_ready", spare=self.spare_id)
+            self._prepare_receive_buffer(self._store)  # now, if the job published its size: ready means ready
+            # a replacement started at low priority (hp.core.agent); waiting costs little, and a
+            # promotion must not wait for the scheduler
+            priority.restore(os.getpid())
+            cpu = os.times()
+            self.events.record("spare_ready", spare=self.spare_id, cpu_s=round(cpu.user + cpu.system, 3))
+            self._report_ready()
             self._rank, generation = membership.wait_for_assignment(self._store, self.spare_id,
                                                                     on_idle=self._prepare_receive_buffer)
             self.role = "worker"
@@ -389,6 +396,14 @@ class Context:
             self._reform(generation)
         else:
             self._reform(self._start_generation)
+
+    def _report_ready(self) -> None:
+        """Tell the controller this spare is ready, so that it goes before spares still starting.
+        Best effort: a spare the controller never heard from is still promoted when none is ready."""
+        try:
+            self._controller.call("spare_ready", {"node_rank": self.node_rank, "spare": self.spare_id})
+        except ControlPlaneError as e:
+            self.events.record("spare_ready_unreported", spare=self.spare_id, error=str(e)[:300])
 
     def _prepare_receive_buffer(self, store: dist.Store) -> None:
         """Spare, while waiting: allocate and fault in the buffer a hydration will land in. Page faults
