@@ -9,14 +9,20 @@ The job is ``hp demo``'s (:mod:`hp.checkpointless.demo.train`) under ``hp run --
    random rank (seeded) is SIGKILLed every ``fault_every_s`` seconds. The victim is whichever
    process holds that rank then: promoted spares die too, and each promotion is replaced by a new spare.
 
-**goodput** = (distinct steps committed in the window x the run's own median step time) / window:
-downtime and replayed steps count against it. The median step of the faulted run itself is the
-pace, because on a shared machine the load can differ between two runs minutes apart (the baseline
-run's pace gives ``goodput_vs_baseline``, which also charges the slowdown of starting replacement
-spares). Startup (``import torch``, model build) is outside both windows. Also reported: recoveries (faults after which rank 0
-committed in a new generation) with their fault → first-commit times, lost steps (steps committed
-twice), and bit-equality of every step both runs committed (same job, same schedule). A recovery
-still running when the window closes is waited for (it counts in the recovery times, not in goodput).
+**goodput** = (distinct steps committed in the window x the fault-free step time) / window:
+downtime, replayed steps and steps slowed by a fault's aftermath all count against it. The fault-free
+step time is the median step of the faulted run's *quiet* stretches (after a fault's replacement spare
+reported ready, before the next fault): the same job under the same machine load, which on a shared
+machine can differ between two runs minutes apart. (A median over the whole run would hide the
+slowdown while replacements start; the separate baseline run's pace gives ``goodput_vs_baseline``.)
+Startup (``import torch``, model build) is outside both windows.
+
+Per fault: ``recovery_s`` (fault -> rank 0's first commit in a new generation), ``ready_s`` (fault ->
+its replacement spare reported ready), that spare's CPU seconds to get ready, and the time the fault
+cost: wall time from the fault to the later of those two minus the steps committed meanwhile at the
+quiet pace (``down_s`` before the first commit, ``slow_s`` after). Also reported: lost steps (committed
+twice) and bit-equality of every step both runs committed (same job, same schedule). A recovery still
+running when the window closes is waited for (it counts in the recovery times, not in goodput).
 """
 
 from __future__ import annotations
@@ -182,12 +188,22 @@ def run_bench(cfg: GoodputConfig) -> dict:
     recovered = [r["recovery_s"] for r in recoveries if r["recovery_s"] is not None]
     decisions = _decisions(job.log_dir)
     shared = set(steps) & set(base_steps)
-    own = [b["t"] - a["t"] for a, b in pairwise(_commits(events)) if t0 <= a["t"] and b["t"] <= end]
-    own_step_s = statistics.median(own) if own else float("nan")
+    commits = [e["t"] for e in _commits(events) if t0 <= e["t"] <= end]
+    own = [b - a for a, b in pairwise(commits)]
+    per_fault = _aftermath(events, decisions, faults, recoveries, end)
+    quiet = [b - a for a, b in pairwise(commits) if not any(f["t"] <= b and a <= f["until"] for f in per_fault)]
+    ref_s = statistics.median(quiet) if len(quiet) >= 3 else float("nan")
+    for f in per_fault:
+        _charge(f, commits, ref_s)
     result = {
-        "goodput": len(steps) * own_step_s / cfg.duration_s,
+        "goodput": len(steps) * ref_s / cfg.duration_s,
         "goodput_vs_baseline": len(steps) * step_s / cfg.duration_s,
-        "faulted_median_step_s": own_step_s,
+        "quiet_step_s": ref_s,
+        "quiet_steps": len(quiet),
+        "faulted_median_step_s": statistics.median(own) if own else float("nan"),
+        "lost_s": cfg.duration_s - len(steps) * ref_s,
+        "lost_to_faults_s": {k: sum(f[k] for f in per_fault) for k in ("down_s", "slow_s")},
+        "per_fault": per_fault,
         "duration_s": cfg.duration_s,
         "fault_every_s": cfg.fault_every_s,
         "faults": len(faults),
@@ -201,9 +217,9 @@ def run_bench(cfg: GoodputConfig) -> dict:
         "faulted_steps_per_s": len(steps) / cfg.duration_s,
         "bitwise_equal_steps": len(shared),
         "bitwise_equal": all(set(steps[s]) == set(base_steps[s]) for s in shared),
-        "promotions": sum(d == "promote_spare" for d in decisions),
-        "spares_added": sum(d == "spare_added" for d in decisions),
-        "restarts": sum(d == "restart_worker" for d in decisions),
+        "promotions": sum(d["decision"] == "promote_spare" for d in decisions),
+        "spares_added": sum(d["decision"] == "spare_added" for d in decisions),
+        "restarts": sum(d["decision"] == "restart_worker" for d in decisions),
         "completed": completed and len(recovered) == len(faults),
         "config": asdict(cfg),
         "log_dir": root,
@@ -213,27 +229,69 @@ def run_bench(cfg: GoodputConfig) -> dict:
     return result
 
 
-def _decisions(log_dir: str) -> list[str]:
+def _decisions(log_dir: str) -> list[dict]:
     path = os.path.join(log_dir, "controller_decisions.jsonl")
     if not os.path.exists(path):
         return []
     with open(path) as f:
-        return [json.loads(line)["decision"] for line in f if line.strip()]
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def _aftermath(events: list[dict], decisions: list[dict], faults: list[dict], recoveries: list[dict],
+               end: float) -> list[dict]:
+    """Each fault's replacement spare (the first one added after the fault's promotion) and when it
+    was ready; a fault's aftermath lasts until the job committed again and that spare was ready
+    (cut at the next fault or the window's end)."""
+    out = []
+    for i, (fault, rec) in enumerate(zip(faults, recoveries)):
+        later = [d for d in decisions if d["t"] >= fault["t"]]
+        promoted = next((d for d in later if d["decision"] == "promote_spare"), None)
+        added = next((d for d in later if d["decision"] == "spare_added" and promoted and d["t"] >= promoted["t"]), None)
+        ready = next((e for e in events if e["event"] == "spare_ready" and added and e.get("spare") == added["spare"]), None)
+        cut = faults[i + 1]["t"] if i + 1 < len(faults) else end
+        recovery, ready_s = rec["recovery_s"], ready["t"] - fault["t"] if ready else None
+        until = fault["t"] + max(recovery or 0.0, ready_s if ready_s is not None else cut - fault["t"])
+        out.append({"rank": fault["rank"], "recovery_s": recovery, "ready_s": ready_s,
+                    "promoted_ready": promoted.get("ready") if promoted else None,
+                    "spare_cpu_s": ready.get("cpu_s") if ready else None,
+                    "t": fault["t"], "until": min(until, cut)})
+    return out
+
+
+def _charge(f: dict, commits: list[float], ref_s: float) -> None:
+    """Time one fault cost: its aftermath's wall time minus the steps committed in it at the quiet
+    pace, split at the first commit after it (``down_s``: recovery; ``slow_s``: the job ran slower)."""
+    t, until = f.pop("t"), f.pop("until")
+    first = min(t + (f["recovery_s"] or 0.0), until)
+    f["down_s"] = (first - t) - sum(t < c <= first for c in commits) * ref_s
+    f["slow_s"] = (until - first) - sum(first < c <= until for c in commits) * ref_s
+
+
+def _median(xs: list[float]) -> float:
+    return statistics.median(xs) if xs else float("nan")
 
 
 def format_table(r: dict) -> str:
-    rec = r["recovery_s"]
+    rec, lost = r["recovery_s"], r["lost_to_faults_s"]
+    ready = [f["ready_s"] for f in r["per_fault"] if f["ready_s"] is not None]
+    cpu = [f["spare_cpu_s"] for f in r["per_fault"] if f["spare_cpu_s"] is not None]
+    promoted_starting = sum(f["promoted_ready"] is False for f in r["per_fault"])
     rows = [
         ("job", f"{r['config']['nproc']} workers + {r['config']['spares']} spare (replenished), "
                 f"model {r['config']['model_size']}, gloo"),
         ("faults", f"SIGKILL of a random rank every {r['fault_every_s']:g} s for {r['duration_s']:g} s: {r['faults']}"),
         ("completed", "yes" if r["completed"] else "NO"),
         ("baseline step time", f"{r['baseline']['step_time_s'] * 1000:.1f} ms (fault-free, same run)"),
-        ("goodput", f"{r['goodput'] * 100:.1f} % at the run's own median step "
-                    f"({r['faulted_median_step_s'] * 1000:.1f} ms); {r['goodput_vs_baseline'] * 100:.1f} % "
+        ("goodput", f"{r['goodput'] * 100:.1f} % at the quiet step ({r['quiet_step_s'] * 1000:.1f} ms, median of "
+                    f"{r['quiet_steps']} away from faults); {r['goodput_vs_baseline'] * 100:.1f} % "
                     f"vs the baseline ({r['steps_committed']} steps vs {r['steps_at_baseline_rate']:.0f})"),
+        ("time lost", f"{r['lost_s']:.1f} s: {lost['down_s']:.1f} s down (fault -> next commit), "
+                      f"{lost['slow_s']:.1f} s slower steps until the replacement spare was ready, "
+                      f"{r['lost_s'] - lost['down_s'] - lost['slow_s']:.1f} s elsewhere"),
         ("recoveries", f"{r['recoveries']}/{r['faults']}" + (
             f", fault -> next commit median {rec['median']:.2f} s, max {rec['max']:.2f} s" if rec else "")),
+        ("replacement spares", f"ready {_median(ready):.1f} s after the fault (median), "
+                               f"{_median(cpu):.1f} CPU s each; {promoted_starting} promoted before ready"),
         ("lost steps", str(r["lost_steps"])),
         ("spares", f"{r['promotions']} promoted, {r['spares_added']} started to replace them, "
                    f"{r['restarts']} process restarts"),
