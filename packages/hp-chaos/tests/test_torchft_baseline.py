@@ -7,27 +7,28 @@ import pytest
 from hp.chaos.baselines import torchft_bench
 from hp.chaos.bench_recovery import BenchConfig
 
-def _commit(t: float, rank: int, step: int, loss: str, participants: int = 4, attempt: int = 0) -> dict:
-    return {"t": t, "event": "commit", "rank": rank, "attempt": attempt, "step": step, "loss": loss,
-            "participants": participants}
+def _commit(t: float, rank: int, step: int, loss: str, participants: int = 4, weights: str = "") -> dict:
+    return {"t": t, "event": "commit", "rank": rank, "attempt": 0, "step": step, "loss": loss,
+            "participants": participants, "weights": weights or f"w{step}"}
 
 
 def test_downtime_is_the_survivors_lost_time_and_rejoin_is_measured_on_the_restarted_group():
     cfg = BenchConfig(model_size="tiny", steps=6, fault_step=2)
-    reference = [_commit(float(s), 0, s, f"l{s}") for s in range(6)]  # median step time 1.0 s
-    faulted = [_commit(float(s), 0, s, f"l{s}") for s in range(3)]
+    reference = [_commit(2.0 * s, 0, s, f"l{s}") for s in range(6)]  # 2 s a step, minutes earlier
+    faulted = [_commit(float(s), 0, s, f"l{s}") for s in range(3)]  # 1 s a step before the fault
     faulted += [{"t": 2.1, "event": "fault_injected", "rank": 1, "attempt": 0, "step": 2}]
-    faulted += [_commit(7.6, 0, 3, "l3", participants=3), _commit(9.0, 0, 4, "x4", participants=3),
+    faulted += [_commit(7.6, 0, 3, "l3", participants=3, weights="y3"), _commit(9.0, 0, 4, "x4", participants=3),
                 _commit(10.0, 0, 5, "x5")]
     faulted += [{"t": 2.1 + i, "event": name, "rank": 1, "attempt": 1, **extra} for i, (name, extra) in enumerate(
         [("started", {}), ("imported", {}), ("data_attached", {}), ("model_ready", {}), ("pg_ready", {}),
          ("restored", {"step": 3})], start=1)]
     r = torchft_bench.analyse(reference, sorted(faulted, key=lambda e: e["t"]), cfg)
-    assert r["step_time_s"] == pytest.approx(1.0)
+    assert r["step_time_s"] == pytest.approx(1.0) and r["reference_step_time_s"] == pytest.approx(2.0)
     assert r["to_next_step_s"] == pytest.approx(7.6 - 2.1) and r["downtime_s"] == pytest.approx(7.6 - 2.1 - 1.0)
     assert r["rejoin_s"] == pytest.approx(6.0) and r["restored_step"] == 3
     assert r["rejoin_stall_s"] == pytest.approx(0.4)  # step 4 took 1.4 s against a median of 1.0
     assert r["dropped_batches"] == 2 and r["world_at_step_after_fault"] == 3
-    # step 3's loss was computed on the weights of step 2, as in the reference; step 4 on others
-    assert (r["bitwise_equal"], r["first_divergent_step"], r["equal_before_fault"]) == (False, 4, True)
+    # step 3's loss was computed on step 2's weights, as in the reference, but its update averaged 3
+    # groups' gradients: the weights after it differ
+    assert (r["bitwise_equal"], r["first_divergent_step"], r["equal_before_fault"]) == (False, 3, True)
     assert torchft_bench.analyse(reference, faulted[:3], cfg) == {"error": "no fault was injected"}

@@ -15,12 +15,13 @@ the same job, on the same box, in the same run. Variants:
 
 The fault is the same instant in all: rank 1 dies right after committing step F (in hp: at the
 start of step F+1, phase ``forward``). **to_next_step_s** = fault → step F+1 committed by rank 0
-(replica group 0 for torchft), recomputed steps included. **downtime_s** = ``to_next_step_s`` minus
-that variant's median fault-free step time measured in the same run: the time lost to the fault,
-since one step of new work (step F+1 itself) would have been spent anyway. **recovery_s** = fault →
+(replica group 0, a survivor, for torchft), recomputed steps included. **downtime_s** =
+``to_next_step_s`` minus the variant's median fault-free step time, taken from the faulted job's
+steps before the fault (:func:`median_step` says why not from the reference job): the time lost to
+the fault, since step F+1 itself is new work that had to be done anyway. **recovery_s** = fault →
 every rank back in the step loop with restored state (without the replayed work). torchft's
-survivors never stop, so its ``downtime_s`` is the survivors' loss; when the restarted group is back
-is ``rejoin_s``, and its losses are not bit-identical to a fault-free run (fewer groups, fewer
+survivors never stop, so its ``downtime_s`` is what the survivors lose; when the restarted group is
+back is ``rejoin_s``, and its run is not bit-identical to a fault-free one (fewer groups, fewer
 batches for a while), which the result says.
 """
 
@@ -112,6 +113,16 @@ def lost_time(to_next_step_s: float, step_time_s: float | None) -> float | None:
     return None if step_time_s is None else to_next_step_s - step_time_s
 
 
+def median_step(commit_times: list[float]) -> float | None:
+    """Median interval between consecutive commits (None with fewer than two).
+
+    Every variant takes it from its *faulted* job's steps before the fault: fault-free steps run
+    under the same load as the fault. A reference job ran minutes earlier, and on a shared 2-core
+    box its steps can be 50 % slower or faster, which would swamp a sub-second downtime."""
+    times = sorted(commit_times)
+    return statistics.median(b - a for a, b in pairwise(times)) if len(times) > 1 else None
+
+
 def _phases(marks: dict[str, float | None]) -> dict[str, float]:
     """Seconds spent in each phase, from cumulative marks (seconds after the fault), as hp's demo does."""
     phases, reached = {}, 0.0
@@ -141,13 +152,16 @@ def run_hp(cfg: BenchConfig, root: str) -> dict[str, Any]:
     _log("hp: faulted job (1 hot spare)")
     faulted = _hp_job(demo, cfg, os.path.join(root, "hp-faulted"), [fault])
     out: dict[str, Any] = {"completed": reference.returncode == 0 and faulted.returncode == 0,
-                           "step_time_s": step_time(reference),
+                           "reference_step_time_s": step_time(reference),
                            "wall_s": {"reference": reference.wall_s, "faulted": faulted.wall_s}}
     if not out["completed"]:
         return {**out, "error_tail": (faulted.output if faulted.returncode else reference.output)[-2000:]}
     t0 = next(e["t"] for e in faulted.events if e["event"] == "fault_injected")
     back = next(e["t"] for e in faulted.events if e["event"] == "commit" and e.get("rank") == 0
                 and e["t"] > t0 and e["step"] >= cfg.fault_step + 1)
+    before = median_step([e["t"] for e in faulted.events if e["event"] == "commit" and e.get("rank") == 0
+                          and e["t"] < t0])
+    out["step_time_s"] = before or out["reference_step_time_s"]
     phases = recovery_timeline(faulted.events)[0]["phases"]
     recovered = [v for k, v in phases.items() if k != "replay"]
     return {**out, "downtime_s": lost_time(back - t0, out["step_time_s"]), "to_next_step_s": back - t0,
@@ -188,8 +202,7 @@ def analyse_torchrun(events: list[dict], fault_step: int) -> dict[str, Any]:
         "interrupted_step": again[fault_step + 1]["t"] - t0,
     }
     recomputed = sorted(s for s in again if s in before)
-    times = [before[s]["t"] for s in sorted(before)]
-    step_time = statistics.median(b - a for a, b in pairwise(times)) if len(times) > 1 else None
+    step_time = median_step([e["t"] for e in before.values()])
     saves = [e["duration_s"] for e in events if e["event"] == "checkpoint_saved" and e["rank"] == 0]
     restored = next((e["step"] for e in after if e["event"] == "restored" and e["rank"] == 0), None)
     return {
@@ -288,7 +301,7 @@ def format_table(r: dict[str, Any]) -> str:
     rows = [
         ("", "hp (1 hot spare)", f"torchrun + DCP (ckpt every {base['ckpt_every']})", "torchft (heal from a peer)"),
         ("completed", done(hp), done(base), done(ft)),
-        ("step time (median, fault-free)", _s(hp.get("step_time_s")), _s(base.get("step_time_s")),
+        ("step time (median before fault)", _s(hp.get("step_time_s")), _s(base.get("step_time_s")),
          _s(ft.get("step_time_s"))),
         (f"fault -> step {f['after_step'] + 1} done", _s(hp.get("to_next_step_s")), _s(base.get("to_next_step_s")),
          _s(ft.get("to_next_step_s"))),

@@ -9,20 +9,23 @@ Measured on replica group 0, a survivor, against the SIGKILL of group ``fault_ra
 it committed step F:
 
 - ``to_next_step_s``: fault -> step F+1 committed by group 0;
-- ``downtime_s``: ``to_next_step_s`` minus the reference's median step time (the time lost: one
-  step of new work would have been spent anyway);
+- ``downtime_s``: ``to_next_step_s`` minus group 0's median step time before the fault (the time
+  lost: one step of new work would have been spent anyway); ``reference_step_time_s`` is the
+  reference job's, for comparison;
 - ``rejoin_s``: fault -> the restarted group has received the state from a peer (back in the
   quorum, healed); ``rejoin_phases`` splits it; ``rejoin_stall_s``: the longest step of group 0
   after F+1 beyond the median, the pause the survivors take to let the new group in;
-- ``bitwise_equal`` against the reference over the first ``steps`` losses of group 0: false by
-  design (survivors train at world 3 on fewer batches until the rejoin); ``first_divergent_step``
-  says where, ``dropped_batches`` how many batches nobody trained on.
+- ``bitwise_equal`` against the reference over the first ``steps`` steps of group 0 (loss and the
+  updated weights' sum): false by design (survivors train at world 3 on fewer batches until the
+  rejoin); ``first_divergent_step`` says where (F+1: its update averaged 3 groups),
+  ``dropped_batches`` how many batches nobody trained on.
 """
 
 from __future__ import annotations
 
 import importlib.util
 import os
+import select
 import signal
 import statistics
 import subprocess
@@ -89,7 +92,8 @@ class Lighthouse:
         self.proc = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      stderr=self._log, text=True, start_new_session=True)
         assert self.proc.stdout is not None
-        self.address = self.proc.stdout.readline().strip()  # blocks until it listens (or dies: "")
+        ready, _, _ = select.select([self.proc.stdout], [], [], 120)  # it imports torch first: seconds
+        self.address = self.proc.stdout.readline().strip() if ready else ""  # "" when it died
         if not self.address:
             self.close()
             raise RuntimeError(f"the torchft Lighthouse did not start; see {log_path}")
@@ -146,19 +150,23 @@ def _commits(events: list[dict], replica: int) -> dict[int, dict]:
     return {e["step"]: e for e in events if e["event"] == "commit" and e["rank"] == replica}
 
 
-def median_step_time(events: list[dict]) -> float | None:
-    times = [e["t"] for _, e in sorted(_commits(events, 0).items())]
+def median_step_time(commits: list[dict]) -> float | None:
+    """Median interval between consecutive commits (as ``bench_recovery.median_step``)."""
+    times = sorted(e["t"] for e in commits)
     return statistics.median(b - a for a, b in pairwise(times)) if len(times) > 1 else None
 
 
 def analyse(reference: list[dict], faulted: list[dict], cfg: BenchConfig) -> dict[str, Any]:
     """The figures of the module docstring, from the two jobs' event logs."""
-    step_time = median_step_time(reference)
     fault = next((e for e in faulted if e["event"] == "fault_injected"), None)
-    if fault is None or step_time is None:
-        return {"error": "no fault was injected" if fault is None else "the reference committed < 2 steps"}
+    if fault is None:
+        return {"error": "no fault was injected"}
     t0, f = fault["t"], cfg.fault_step
     ref, got = _commits(reference, 0), _commits(faulted, 0)
+    ref_step_time = median_step_time(list(ref.values()))
+    step_time = median_step_time([e for s, e in got.items() if s <= f]) or ref_step_time
+    if step_time is None:
+        return {"error": "fewer than 2 steps committed before the fault and in the reference"}
     if f + 1 not in got:
         return {"error": f"group 0 never committed step {f + 1} after the fault"}
     back = got[f + 1]["t"] - t0
@@ -177,10 +185,12 @@ def analyse(reference: list[dict], faulted: list[dict], cfg: BenchConfig) -> dic
     after = sorted(s for s in got if s > f + 1)
     stalls = [got[b]["t"] - got[a]["t"] - step_time for a, b in pairwise([f + 1, *after])]
     steps = range(cfg.steps)
-    diverged = [s for s in steps if s not in got or s not in ref or got[s]["loss"] != ref[s]["loss"]]
+    diverged = [s for s in steps if s not in got or s not in ref or got[s]["loss"] != ref[s]["loss"]
+                or got[s].get("weights") != ref[s].get("weights")]
     restored = next((e["step"] for e in again if e["event"] == "restored"), None)
     return {
         "downtime_s": back - step_time, "to_next_step_s": back, "step_time_s": step_time,
+        "reference_step_time_s": ref_step_time,
         "rejoin_s": marks["quorum_heal"], "rejoin_phases": phases, "restored_step": restored,
         "rejoin_stall_s": max(0.0, *stalls) if stalls else None,
         "world_at_step_after_fault": got[f + 1].get("participants"),
@@ -199,8 +209,10 @@ def run_torchft(cfg: BenchConfig, root: str, log: Any = print) -> dict[str, Any]
         return {"skipped": why}
     out: dict[str, Any] = {
         "how": (f"{cfg.nproc} replica groups of 1 process, one torchrun --max-restarts 1 each, Lighthouse "
-                f"min_replicas {cfg.nproc - 1}: survivors go on at world {cfg.nproc - 1} while the killed group "
-                f"restarts and heals from a live peer, then all go on at world {cfg.nproc}"),
+                f"min_replicas {cfg.nproc - 1}: the survivors' next quorum waits until the Lighthouse stops "
+                f"counting the dead group (heartbeat timeout {cfg.torchft_heartbeat_timeout_ms} ms), then they go "
+                f"on at world {cfg.nproc - 1} while the killed group restarts and heals from a live peer, then "
+                f"all go on at world {cfg.nproc}"),
         "lighthouse": {"heartbeat_timeout_ms": cfg.torchft_heartbeat_timeout_ms, "join_timeout_ms": JOIN_TIMEOUT_MS,
                        "quorum_tick_ms": QUORUM_TICK_MS, "min_replicas": cfg.nproc - 1},
     }

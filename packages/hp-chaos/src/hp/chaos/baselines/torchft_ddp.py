@@ -27,8 +27,8 @@ that step would have had, whatever its RNG history (a peer's RNG state would rep
 Events (JSON lines in ``<log-dir>/events``, as the torchrun baseline): ``started`` (process exec
 time), ``imported``, ``data_attached``, ``model_ready`` (model and optimizer built), ``pg_ready`` (Manager
 up and heartbeating; torchft forms the gloo group inside each quorum), ``restored`` (state received from a peer: healing),
-``quorum`` (participant count changed), ``commit`` per committed step with the loss as float hex and
-``participants``, ``step_failed`` (a step torchft discarded), ``fault_injected``.
+``quorum`` (participant count changed), ``commit`` per committed step with the loss as float hex,
+``participants`` and ``weights`` (a float64 sum of the updated parameters, as hex), ``step_failed`` (a step torchft discarded), ``fault_injected``.
 
 torchft's transport unpickles the state it receives (``weights_only=False``): acceptable for a
 baseline on loopback between our own processes, and one reason hp does not use it.
@@ -82,6 +82,16 @@ def _start_barrier(directory: str, replica: int, replicas: int, timeout_s: float
         if time.monotonic() > deadline:
             raise TimeoutError(f"start barrier: {len(os.listdir(directory))}/{replicas} groups after {timeout_s} s")
         time.sleep(0.05)
+
+
+def weight_sum(model: Any) -> str:
+    """float64 sum of every parameter after the update, as hex: a step's loss is computed before its
+    update, so the loss of step F+1 cannot show that F+1 averaged 3 groups' gradients; this can.
+    (Sums of equal weights are equal: the same ops in the same order on one thread.)"""
+    import torch
+
+    with torch.no_grad():
+        return float(sum(p.double().sum() for p in model.parameters())).hex()
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -156,7 +166,8 @@ def main(argv: list[str] | None = None) -> None:
         if manager.num_participants() != participants:
             participants = manager.num_participants()
             record("quorum", step=done, participants=participants)
-        record("commit", step=done, loss=loss.detach().item().hex(), participants=participants)
+        record("commit", step=done, loss=loss.detach().item().hex(), participants=participants,
+               weights=weight_sum(model))
         if attempt == 0 and replica == args.fault_replica and done == args.fault_step:
             record("fault_injected", kind="kill", step=done)
             os.kill(os.getpid(), signal.SIGKILL)
