@@ -85,6 +85,7 @@ def test_a_replacement_spare_starts_at_low_priority_reports_ready_and_is_promote
     (tmp_path / "cache").mkdir()
     logs, out_path = tmp_path / "logs", tmp_path / "hp_run.out"
     env = {**os.environ, "HP_DATA_CACHE_DIR": str(tmp_path / "cache"), "HP_TEST_DIR": str(tmp_path),
+           "HP_SPARE_LOW_PRIORITY_S": "60",  # opt-in; long enough that the spare raises itself once ready
            "HP_FAULTS": json.dumps([{"at_step": 3, "phase": "forward", "kind": "kill", "rank": 1}])}
     cmd = job_command(DemoConfig(nproc=2, spares=1, steps=10**6, corpus_mb=2, hang_timeout_s=20.0), str(logs))
     at = cmd.index("run") + 1

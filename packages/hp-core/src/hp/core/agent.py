@@ -374,9 +374,9 @@ class Agent:
         self._next_spare += 1
         w = Worker(-1, -1, self._command, self.log_dir, Std(self.cfg.tee), spare_id=sid, holder=spare_holder(sid))
         w.start(self._worker_env(w))
-        # it starts while the job trains: at low priority it takes only the CPU the ranks leave, for
-        # a while (it raises itself once ready; see hp.core.priority)
-        lowered = priority.lower(w.pid)
+        # it starts while the job trains: at low priority (opt-in) it takes only the CPU the ranks
+        # leave, for a while (it raises itself once ready; see hp.core.priority)
+        lowered = priority.lower(w.pid) if priority.LOW_FOR_S > 0 else []
         if lowered:
             self._lowered[w.pid] = time.monotonic() + priority.LOW_FOR_S
         self.spares.append(w)

@@ -25,10 +25,11 @@ import os
 import resource
 
 LOW_NICE = 19  # the lowest an autogroup can get: its weight is 15 against 1024 at nice 0
-# The agent raises a spare still starting after this long: on a node whose cores the ranks (or
-# anything else) keep busy, a low-priority process barely runs, and a spare promoted before it is
-# ready makes the whole job wait for its imports.
-LOW_FOR_S = 10.0
+# Opt-in (HP_SPARE_LOW_PRIORITY_S=10, say): seconds a replacement spare starts at low priority before
+# the agent raises it. Off by default: on the 2-core bench box (4 ranks, other jobs) there was no idle
+# CPU to harvest, spares got ready in ~31 s instead of ~10 s, and 7 of 9 were promoted before ready
+# (recovery 1.1 s median instead of 0.3 s), with no step time won back (hp bench goodput, README).
+LOW_FOR_S = float(os.environ.get("HP_SPARE_LOW_PRIORITY_S", "0"))
 
 
 def _threads(pid: int) -> list[int]:
