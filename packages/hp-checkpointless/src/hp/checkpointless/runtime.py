@@ -20,6 +20,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from hp.checkpointless import hydration, ladder, membership, sharded, state
 from hp.checkpointless.rng import capture_rng, restore_rng
@@ -36,14 +38,6 @@ EXIT_ORPHANED = 76  # the agent died: no one supervises this process
 # Sent by the watch thread to the main thread to stop a step whose group is already dead. SIGUSR2,
 # not SIGUSR1, which Slurm and Lightning use for requeue notices.
 INTERRUPT_SIGNAL = signal.SIGUSR2
-
-
-def _is_zero(optimizer: Any) -> bool:
-    """Whether ``optimizer`` is a ZeroRedundancyOptimizer, without importing torch.distributed.optim
-    (with DCP, ~1.3 CPU s at every process start, a replacement spare's included, and only --zero
-    jobs need it): an object of a module nobody imported is not one of its class."""
-    module = sys.modules.get("torch.distributed.optim.zero_redundancy_optimizer")
-    return module is not None and isinstance(optimizer, module.ZeroRedundancyOptimizer)
 
 
 class CollectiveError(RuntimeError):
@@ -172,7 +166,7 @@ class Context:
         elif callable(scheduler) and not hasattr(scheduler, "state_dict"):
             raise UsageError("a scheduler factory needs an optimizer factory: pass optimizer=lambda params: ...")
         self._model, self._optimizer, self._scheduler, self._extra = model, optimizer, scheduler, extra
-        if _is_zero(optimizer):
+        if isinstance(optimizer, ZeroRedundancyOptimizer):
             raise UsageError("pass a ZeroRedundancyOptimizer as a factory (optimizer=lambda params: "
                              "ZeroRedundancyOptimizer(params, ...)): hp builds it once the process group exists")
         trainable = [p for p in model.parameters() if p.requires_grad]
@@ -189,7 +183,7 @@ class Context:
         self._factories = None
         self._optimizer = make_optimizer(list(self._model.parameters()))
         self._scheduler = make_scheduler(self._optimizer) if make_scheduler is not None else None
-        if _is_zero(self._optimizer):
+        if isinstance(self._optimizer, ZeroRedundancyOptimizer):
             self._sharded = sharded.ShardedOptimizer(
                 self._optimizer, [p for p in self._model.parameters() if p.requires_grad])
 
@@ -501,8 +495,6 @@ class Context:
         """After a commit, when due. A failed save costs that checkpoint, never the training: storage
         trouble is not a peer failure, and a peer that died in DCP's collectives is caught by the next
         step's (the watch thread has seen the new generation by then)."""
-        from torch.distributed.checkpoint.api import CheckpointException  # loaded by the save already
-
         try:
             ladder.save(self, step)
             return

@@ -20,15 +20,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from hp.checkpointless import state
-
-if TYPE_CHECKING:  # importing it costs every process ~0.3 CPU s; only --zero jobs build one
-    from torch.distributed.optim import ZeroRedundancyOptimizer
 
 
 class ShardLost(RuntimeError):

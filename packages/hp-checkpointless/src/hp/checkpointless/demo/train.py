@@ -9,6 +9,7 @@ import argparse
 
 import torch
 import torch.nn.functional as F
+from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from hp.checkpointless import recoverable
 from hp.checkpointless.data import Batches, TokenCache, synthetic_corpus, tokenize
@@ -56,8 +57,6 @@ def main(ctx) -> None:
         persist = {} if args.checkpoint_persist_every is None else {"persist_every": args.checkpoint_persist_every}
         checkpoint = TieredRung(TieredConfig.from_env(args.checkpoint, memory_every=args.checkpoint_every, **persist))
     if args.zero:  # built by hp once the process group exists (a spare has none yet)
-        from torch.distributed.optim import ZeroRedundancyOptimizer  # imported only here: CPU at every start
-
         ctx.register(model, lambda params: ZeroRedundancyOptimizer(params, torch.optim.AdamW, lr=3e-3),
                      make_scheduler, checkpoint=checkpoint)
     else:
