@@ -266,8 +266,8 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any]:
         "fault": {"kind": "kill", "rank": cfg.fault_rank, "after_step": cfg.fault_step},
         "step_time_s": {"hp": hp.get("step_time_s"), "torchrun_dcp": base.get("step_time_s"),
                         "torchft": ft.get("step_time_s")},
-        "downtime_definition": "fault -> step F+1 committed by rank 0, minus the variant's median fault-free "
-                               "step time (to_next_step_s keeps the figure before the subtraction)",
+        "downtime_definition": "fault -> step F+1 committed by rank 0, minus the variant's median step time "
+                               "before the fault in the faulted job (to_next_step_s: before the subtraction)",
         "hp": hp, "torchrun_dcp": base, "torchft": ft,
         "ratio_downtime_baseline_over_hp": ratio(base, "downtime_s"),
         "ratio_recovery_baseline_over_hp": ratio(base, "recovery_s"),
