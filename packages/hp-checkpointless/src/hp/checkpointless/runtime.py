@@ -27,7 +27,6 @@ from hp.checkpointless import hydration, ladder, membership, sharded, state
 from hp.checkpointless.rng import capture_rng, restore_rng
 from hp.checkpointless.events import EventLog
 from hp.checkpointless.faults import FaultPlan
-from hp.core import priority
 from hp.core.auth import TOKEN_ENV
 from hp.core.control_plane import ControlClient
 from hp.core.errors import ControlPlaneError, UsageError
@@ -382,9 +381,6 @@ class Context:
     def _join(self) -> None:
         if self.role == "spare":
             self._prepare_receive_buffer(self._store)  # now, if the job published its size: ready means ready
-            # a replacement started at low priority (hp.core.agent); waiting costs little, and a
-            # promotion must not wait for the scheduler
-            priority.restore(os.getpid())
             cpu = os.times()
             self.events.record("spare_ready", spare=self.spare_id, cpu_s=round(cpu.user + cpu.system, 3))
             self._report_ready()

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from torch.distributed.elastic.multiprocessing import Std
 from torch.distributed.elastic.multiprocessing.api import SignalException
 
-from hp.core import auth, priority
+from hp.core import auth, forkserver
 from hp.core.config import RunConfig
 from hp.core.control_plane import ControlClient, ControlServer
 from hp.core.controller import Controller, ControllerConfig, spare_holder, spare_id, worker_holder
@@ -86,7 +86,6 @@ class Agent:
         self._address = ""  # this node's address as the controller sees it
         self._cut: set[str] = set()  # lost nodes' addresses whose connections were cut
         self._next_spare = config.spares  # index of the next replacement spare's id
-        self._lowered: dict[int, float] = {}  # pid of a replacement spare at low priority -> when to raise it
         self._client: ControlClient | None = None
 
     # ---- lifecycle ----------------------------------------------------------------------
@@ -98,6 +97,8 @@ class Agent:
             assignment = self._rendezvous(client)
             self._start_services(client, assignment)
             self._start_workers(assignment)
+            if self.cfg.replenish_spares and self.cfg.spares:
+                forkserver.warm()  # replacements are forked from it: their imports are paid now, once
             return self._monitor(client)
         except SignalException as e:
             self._stop_workers(e.sigval)
@@ -276,9 +277,6 @@ class Agent:
                     say(f"spare {w.spare_id} (pid {w.pid}) exited: {w.exit.describe()}")
                     self.spares.remove(w)
                     self._call(client, "spare_failed", {"spare": w.spare_id})
-                elif self._lowered.get(w.pid, float("inf")) < time.monotonic():
-                    del self._lowered[w.pid]  # still starting: it must be ready before the next failure
-                    priority.restore(w.pid)
             if time.monotonic() >= next_beat:
                 next_beat = time.monotonic() + self.cfg.heartbeat_interval_s
                 beat = self._call(client, "heartbeat", {})
@@ -359,8 +357,6 @@ class Agent:
         if spare is None:
             return  # it died meanwhile; its own exit is reported as a worker failure of that rank
         self.spares.remove(spare)
-        if self._lowered.pop(spare.pid, None) is not None:  # promoted while starting: the job waits for it
-            priority.restore(spare.pid)
         spare.rank = promotion["rank"]
         self.workers.append(spare)
         say(f"spare {spare.spare_id} (pid {spare.pid}) now holds rank {spare.rank} "
@@ -369,20 +365,16 @@ class Agent:
             self._add_spare()
 
     def _add_spare(self) -> None:
-        """Replace a promoted spare: a new process with a never-used id, registered as free."""
+        """Replace a promoted spare: a new process with a never-used id, registered as free. It starts
+        while the job trains, so it is forked with torch already imported (hp.core.forkserver)."""
         sid = spare_id(self.cfg.node_rank, self._next_spare)
         self._next_spare += 1
-        w = Worker(-1, -1, self._command, self.log_dir, Std(self.cfg.tee), spare_id=sid, holder=spare_holder(sid))
+        w = forkserver.ForkedWorker(-1, -1, self._command, self.log_dir, Std(self.cfg.tee), spare_id=sid,
+                                    holder=spare_holder(sid))
         w.start(self._worker_env(w))
-        # it starts while the job trains: at low priority (opt-in) it takes only the CPU the ranks
-        # leave, for a while (it raises itself once ready; see hp.core.priority)
-        lowered = priority.lower(w.pid) if priority.LOW_FOR_S > 0 else []
-        if lowered:
-            self._lowered[w.pid] = time.monotonic() + priority.LOW_FOR_S
         self.spares.append(w)
         self._call(self._client, "spare_added", {"spare": sid})
-        say(f"started spare {sid} (pid {w.pid}{', ' + ', '.join(lowered) if lowered else ''}) "
-            "to replace the promoted one")
+        say(f"started spare {sid} (pid {w.pid}, forked with torch imported) to replace the promoted one")
 
     def _cut_lost(self, addresses: list[str]) -> None:
         """Cut this node's TCP connections to lost nodes: a survivor blocked in a collective with

@@ -113,18 +113,9 @@ class Worker:
         rc = proc.poll()
         if rc is None:
             return None
+        self.exit = exit_status(proc.pid, rc, self._ctx.error_files[0])
         if rc == 0:
-            self.exit = ExitStatus(proc.pid, 0, None, "")
             self.finish()
-            return self.exit
-        failure = ProcessFailure(local_rank=0, pid=proc.pid, exitcode=rc, error_file=self._ctx.error_files[0])
-        sig = failure.signal_name() if rc < 0 else None
-        raw = failure.message
-        raw = raw.get("message", "") if isinstance(raw, dict) else raw
-        message = raw.strip().splitlines()[-1] if isinstance(raw, str) and raw.strip() else ""
-        if message.startswith(("Signal ", "To enable traceback")):
-            message = ""  # elastic's placeholder text, not something the worker said
-        self.exit = ExitStatus(proc.pid, rc, sig, message)
         return self.exit
 
     def finish(self) -> None:
@@ -146,6 +137,20 @@ class Worker:
     def stop(self, sig: signal.Signals = signal.SIGTERM, timeout_s: float = 10.0) -> None:
         if self._ctx is not None:
             self._ctx.close(death_sig=sig, timeout=int(max(1, timeout_s)))
+
+
+def exit_status(pid: int, rc: int, error_file: str) -> ExitStatus:
+    """How a worker process ended, with the last line of what ``@record`` wrote to its error file."""
+    if rc == 0:
+        return ExitStatus(pid, 0, None, "")
+    failure = ProcessFailure(local_rank=0, pid=pid, exitcode=rc, error_file=error_file)
+    sig = failure.signal_name() if rc < 0 else None
+    raw = failure.message
+    raw = raw.get("message", "") if isinstance(raw, dict) else raw
+    message = raw.strip().splitlines()[-1] if isinstance(raw, str) and raw.strip() else ""
+    if message.startswith(("Signal ", "To enable traceback")):
+        message = ""  # elastic's placeholder text, not something the worker said
+    return ExitStatus(pid, rc, sig, message)
 
 
 def python_command(entrypoint: str, args: list[str], module: bool) -> list[str]:
