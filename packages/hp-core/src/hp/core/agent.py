@@ -98,7 +98,8 @@ class Agent:
             self._start_services(client, assignment)
             self._start_workers(assignment)
             if self.cfg.replenish_spares and self.cfg.spares:
-                forkserver.warm()  # replacements are forked from it: their imports are paid now, once
+                # replacements are forked from it: their imports are paid now, once
+                forkserver.warm(self._thread_env())
             return self._monitor(client)
         except SignalException as e:
             self._stop_workers(e.sigval)
@@ -221,8 +222,7 @@ class Agent:
         a = self._assignment
         env = {k: v for k, v in self.transport.env_defaults().items() if k not in os.environ}
         env.update(self.services.worker_env())
-        if self.cfg.nproc_per_node > 1 and "OMP_NUM_THREADS" not in os.environ:
-            env["OMP_NUM_THREADS"] = "1"  # as torchrun: N ranks on one host must not oversubscribe
+        env.update(self._thread_env())
         if w.spare_id is None:
             env.update({
                 "RANK": str(w.rank), "LOCAL_RANK": str(w.local_rank),
@@ -252,6 +252,11 @@ class Agent:
             "HP_HOLDER": w.holder,
         })
         return env
+
+    def _thread_env(self) -> dict[str, str]:
+        if self.cfg.nproc_per_node > 1 and "OMP_NUM_THREADS" not in os.environ:
+            return {"OMP_NUM_THREADS": "1"}  # as torchrun: N ranks on one host must not oversubscribe
+        return {}
 
     def _client_endpoint(self) -> str:
         return self._server.endpoint if self._server else str(self.cfg.controller_endpoint)

@@ -38,12 +38,27 @@ def _context() -> Any:
     return ctx
 
 
-def warm() -> None:
-    """Start the fork server and its imports now, at job start, rather than on the first replacement."""
+def warm(env: dict[str, str]) -> None:
+    """Start the fork server and its imports now, at job start, rather than on the first replacement.
+
+    ``env`` is what the workers get on top of the agent's environment. The server is started with
+    it because some of it is read once, at import: OpenMP sizes its thread pool from
+    ``OMP_NUM_THREADS`` when torch loads it, so a server started without the workers' ``1`` would
+    fork spares that each run as many threads as the host has cores (measured: every step of the
+    job slowed 4x once such a spare held a rank)."""
     from multiprocessing import forkserver
 
     _context()
-    forkserver.ensure_running()
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        forkserver.ensure_running()
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def _run(command: list[str], env: dict[str, str], stdout: str, stderr: str) -> None:
@@ -57,6 +72,10 @@ def _run(command: list[str], env: dict[str, str], stdout: str, stderr: str) -> N
     sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
     os.environ.clear()
     os.environ.update(env)
+    if env.get("OMP_NUM_THREADS", "").isdigit():  # the server's value is fixed; the worker's is what counts
+        import torch
+
+        torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     signal.signal(signal.SIGINT, signal.default_int_handler)
     args = command[1:]
