@@ -171,11 +171,22 @@ class Context:
         trainable = [p for p in model.parameters() if p.requires_grad]
         if trainable:  # the "backward" fault phase fires while the first parameter's gradient is accumulated
             trainable[0].register_post_accumulate_grad_hook(self._on_backward)
+        for p in trainable:
+            p.register_post_accumulate_grad_hook(self._on_gradient)
         self._rng = capture_rng()
 
     def _on_backward(self, _param: torch.Tensor) -> None:
         if self._step is not None and self._interruptible:
             self._phase(self._step, "backward")
+
+    def _on_gradient(self, _param: torch.Tensor) -> None:
+        """Each accumulated gradient is a point where a step whose group already died stops.
+        ``backward()`` is one call into C++ that takes most of a step, and the watch thread's interrupt
+        is raised only between Python bytecodes: without these points a survivor that is in backward
+        when a peer dies finishes it first (measured: 1.75 s of a 25 M-param model's recovery)."""
+        if self._interruptible and self._latest > self.generation:
+            self._interruptible = False
+            raise CollectiveError(f"generation {self.generation} superseded by {self._latest} during backward")
 
     def _build_optimizer(self) -> None:
         make_optimizer, make_scheduler = self._factories
