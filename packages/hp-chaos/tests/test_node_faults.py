@@ -45,9 +45,9 @@ def reference(job_env, tmp_path_factory) -> RunResult:
     return result
 
 
-def faulted_job(topo: Topology, tmp_path, job_env, spares: list[int]) -> MultiNodeJob:
+def faulted_job(topo: Topology, tmp_path, job_env, spares: list[int], agent_flags=AGENT_FLAGS) -> MultiNodeJob:
     job = MultiNodeJob(topo, config(), str(tmp_path / "job"), spares=spares, extra_env=job_env,
-                       agent_flags=AGENT_FLAGS).start()
+                       agent_flags=agent_flags).start()
     job.wait_for_step(FAULT_AFTER, timeout=300)
     return job
 
@@ -112,7 +112,10 @@ def test_node_loss_without_a_spare_on_the_survivors_fails_naming_the_node(job_en
 
 def test_packet_loss_slows_the_job_but_changes_no_bit(reference, job_env, tmp_path):
     with Topology(2) as topo:
-        job = faulted_job(topo, tmp_path, job_env, spares=[0, 0])
+        # every heartbeat is a new TCP connection: at 5 % loss a lost SYN and its retry cost 1 + 2 s
+        # of backoff, which a 3 s lease (CI's 4 s timeout) does not always survive; 10 s does
+        job = faulted_job(topo, tmp_path, job_env, spares=[0, 0],
+                          agent_flags=["--heartbeat-interval", "0.5", "--heartbeat-timeout", "10"])
         topo.loss(1, 0.05)
         result = job.wait(timeout=300)
     assert result.returncode == 0, result.output[-3000:]
