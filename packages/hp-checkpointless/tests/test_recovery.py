@@ -86,6 +86,21 @@ def test_kill_of_the_source_during_hydration_is_survived(reference, job_env, tmp
     assert any(e["event"] == "reform_failed" for e in result.events)
 
 
+def test_a_failure_of_every_rank_while_re_forming_is_reported_and_retried(job_env, tmp_path):
+    """Two ranks, both inside the re-form when it fails: rank 0 (the source of the hydration) raises
+    an exception of its own, so the replacement's receive fails too. No process died and no rank
+    reached a step, so no agent and no step has anything to report: the ranks waiting for the next
+    generation must ask the controller for it themselves."""
+    reference = run_job(config(nproc=2, spares=0), str(tmp_path / "reference"), [], job_env)
+    assert reference.returncode == 0, reference.output[-3000:]
+    faults = [{"at_step": AT, "phase": "allreduce", "kind": "kill", "rank": 1},
+              {"at_step": AT - 1, "phase": "hydration", "kind": "exception", "rank": 0}]
+    result, logs = faulted(tmp_path, job_env, faults, nproc=2, spares=1)
+    assert_identical(reference, result)
+    assert {e["rank"] for e in result.events if e["event"] == "reform_failed"} == {0, 1}
+    assert "new_generation:in_process_recovery:collective" in decisions(logs)
+
+
 def test_hung_rank_is_killed_and_replaced(reference, job_env, tmp_path):
     result, logs = faulted(tmp_path, job_env, [{"at_step": AT, "phase": "forward", "kind": "hang", "rank": 1}],
                            spares=1, hang_timeout_s=3.0)

@@ -443,7 +443,10 @@ class Context:
             except (CollectiveError, membership.Superseded, state.StateTransferError, RuntimeError) as e:
                 self.events.record("reform_failed", generation=plan.generation, rank=self._rank, error=str(e)[:300])
                 self._release_pg()
-                minimum, on_slow = plan.generation + 1, None
+                # a dead peer is reported by its agent; a failure every process survived (every rank
+                # inside this re-form, none in a step) is reported by nobody else: ask when it is slow
+                message = f"re-forming generation {plan.generation} failed: {e}"
+                minimum, on_slow = plan.generation + 1, lambda message=message: self._report("collective", message)
 
     def _form(self, plan: membership.Plan) -> None:
         if plan.holders.get(self._rank) != self.holder:
