@@ -2,8 +2,8 @@
 
 The controller publishes (see :mod:`hp.core.controller`) the plan of every generation, then the
 generation number, and the rank it gives a promoted spare. Workers only read; every decision is the
-controller's. A background watch thread beats the heartbeat file the agent uses to detect hangs and
-aborts the process group as soon as a newer generation appears, which releases a rank blocked in a
+controller's. Background threads beat the heartbeat file the agent uses to detect hangs and abort
+the process group as soon as a newer generation appears, which releases a rank blocked in a
 collective whose peer is gone.
 """
 
@@ -96,8 +96,10 @@ def arrive(store: dist.Store, generation: int, world_size: int, poll_s: float = 
 
 
 class Watch:
-    """Background thread: beats the heartbeat file, aborts a superseded process group, and ends a
-    process whose agent died (its workers would otherwise train on, or a spare wait, unsupervised)."""
+    """Background threads: one beats the heartbeat file and ends a process whose agent died (its
+    workers would otherwise train on, or a spare wait, unsupervised); one aborts a superseded process
+    group. Two threads, because a store read can block (a partition, a loaded store host) and a
+    heartbeat must say only that this process runs, or the agent would kill it as hung."""
 
     def __init__(self, connect: Callable[[], dist.Store], heartbeat_file: str | None,
                  on_superseded: Callable[[int], None], period_s: float = 0.01, beat_every_s: float = 0.1,
@@ -107,11 +109,13 @@ class Watch:
         self._parent = os.getppid()  # the agent: a worker whose agent died is re-parented
         self._period, self._beat_every = period_s, beat_every_s
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="hp-watch", daemon=True)
+        self._threads = [threading.Thread(target=self._beat_loop, name="hp-heartbeat", daemon=True),
+                         threading.Thread(target=self._watch_loop, name="hp-watch", daemon=True)]
 
     def start(self) -> Watch:
         self.beat()
-        self._thread.start()
+        for thread in self._threads:
+            thread.start()
         return self
 
     def beat(self) -> None:
@@ -119,18 +123,19 @@ class Watch:
             with open(self._heartbeat_file, "a"):
                 os.utime(self._heartbeat_file)
 
-    def _run(self) -> None:
-        store = self._connect()  # its own connection: store clients are not shared across threads
-        last_beat = 0.0
+    def _beat_loop(self) -> None:
+        while not self._stop.wait(self._beat_every):
+            self.beat()
+            if self._on_orphaned is not None and os.getppid() != self._parent:
+                self._on_orphaned()  # nobody supervises this process any more
+                return
+
+    def _watch_loop(self) -> None:
+        store = None  # its own connection: store clients are not shared across threads
         while not self._stop.wait(self._period):
-            now = time.monotonic()
-            if now - last_beat >= self._beat_every:
-                self.beat()
-                last_beat = now
-                if self._on_orphaned is not None and os.getppid() != self._parent:
-                    self._on_orphaned()  # nobody supervises this process any more
-                    return
             try:
+                if store is None:
+                    store = self._connect()
                 self._on_superseded(latest_generation(store))
             except Exception:  # the store is gone at job end; the main thread notices on its own
                 if self._stop.is_set():
@@ -140,8 +145,9 @@ class Watch:
         """Stop beating and remove the heartbeat file: a process that left the step loop (and
         may take a while to exit) is no longer watched for hangs."""
         self._stop.set()
-        if self._thread.is_alive():
-            self._thread.join(timeout=2)
+        for thread in self._threads:
+            if thread.is_alive():
+                thread.join(timeout=2)
         if self._heartbeat_file:
             try:
                 os.unlink(self._heartbeat_file)
