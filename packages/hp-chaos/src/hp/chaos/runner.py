@@ -179,7 +179,8 @@ def evaluate(scenario: Scenario, reference: RunResult, run: JobRun, persisted: d
         failures.append(f"reference: the fault-free job failed (exit {reference.returncode}): "
                         f"{_last_line(reference.output)}")
     if run.timed_out:
-        failures.append(f"completes: the faulted job neither completed nor ended within {scenario.job.timeout_s} s")
+        failures.append(f"completes: the faulted job neither completed nor ended within {scenario.job.timeout_s} s; "
+                        f"{_where_stuck(faulted)}")
     elif expect.completes and not completed:
         failures.append(f"completes: the faulted job failed (exit {faulted.returncode}): {_last_line(faulted.output)}")
     elif not expect.completes and completed:
@@ -240,6 +241,20 @@ def evaluate(scenario: Scenario, reference: RunResult, run: JobRun, persisted: d
 
 def _first_commit(result: RunResult) -> float | None:
     return next((e["t"] for e in result.events if e["event"] == "commit" and e.get("rank") == 0), None)
+
+
+def _where_stuck(result: RunResult) -> str:
+    """What a job that ran out of time was doing: each process's last event and the job's last output
+    lines (CI keeps the failure message, not the log directory)."""
+    last: dict[int, dict] = {}
+    for e in result.events:
+        last[e.get("pid", 0)] = e
+    end = result.events[-1]["t"] if result.events else 0.0
+    shown = [f"pid {pid}: {e['event']} " + json.dumps({k: v for k, v in e.items() if k not in ("t", "pid", "event")})[:160]
+             + f" ({end - e['t']:.1f} s before the last event)" for pid, e in sorted(last.items())]
+    tail = [line for line in result.output.strip().splitlines() if line.strip()][-8:]
+    return "last event of each process:\n    " + "\n    ".join(shown or ["(none)"]) + \
+        "\n  last lines of the job's output:\n    " + "\n    ".join(tail or ["(none)"])
 
 
 def _last_line(output: str) -> str:
