@@ -27,6 +27,13 @@ def test_worker_sigkill_after_save_restores_from_memory_tier(daemons, ranks, shm
     assert (out[0]["step"], out[0]["tier"], out[0]["tiers_used"], out[0]["ok"]) == (2, "memory", ["memory"], True)
 
 
+def test_every_rank_is_told_when_there_is_no_checkpoint_to_load(daemons, ranks):
+    node = daemons("empty", replicas=0)
+    out = ranks(2, ["load", "--ns", "job", "--daemon", node.addr]).results()
+    assert [o["rank"] for o in out] == [0, 1]
+    assert all(o.get("error", "").startswith("NoCheckpointError") for o in out), out
+
+
 def test_node_daemon_killed_restores_from_peer_replica(daemons, ranks):
     b = daemons("nodeB", replicas=1)
     a = daemons("nodeA", replicas=1, peers=[b.addr])

@@ -17,7 +17,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from hp.tiered_ckpt import TieredConfig, api
+from hp.tiered_ckpt import NoCheckpointError, TieredConfig, api
 
 
 def state(step: int, world: int, fill: bool) -> dict:
@@ -80,7 +80,12 @@ def main() -> int:
             time.sleep(3600)
     else:
         sd = state(0, world, fill=False)
-        reader = api.load(sd, cfg, step=a.step)
+        try:
+            reader = api.load(sd, cfg, step=a.step)
+        except NoCheckpointError as e:
+            out["error"] = f"{type(e).__name__}: {e}"
+            print(json.dumps(out), flush=True)
+            return 0
         out.update(step=reader.step, tier=reader.ref.tier, tiers_used=sorted(reader.tiers_used),
                    fallbacks=reader.fallbacks, ok=same(sd, state(reader.step, world, fill=True)))
     if world > 1:

@@ -5,6 +5,7 @@ script's state dict (model, optimizer, DTensor/FSDP shards, extra objects) is wh
 
 from __future__ import annotations
 
+import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
@@ -12,7 +13,7 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
 from hp.core.errors import HpError
 from hp.tiered_ckpt.config import TieredConfig
-from hp.tiered_ckpt.reader import CheckpointRef, TieredReader, find_latest
+from hp.tiered_ckpt.reader import CheckpointRef, NoCheckpointError, TieredReader, find_latest
 from hp.tiered_ckpt.sources import sources_for
 from hp.tiered_ckpt.writer import TieredWriter
 
@@ -43,12 +44,24 @@ def latest(cfg: TieredConfig, step: int | None = None) -> CheckpointRef:
 
 
 def _agreed_step(cfg: TieredConfig, step: int | None) -> int:
-    """Every rank must load the same step: rank 0 decides and broadcasts."""
+    """Every rank must load the same step: rank 0 decides and broadcasts it as a tensor (a number
+    needs no pickle); -1 tells the others there is none, so that every rank raises, not only rank 0."""
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return latest(cfg, step).step
-    box = [latest(cfg, step).step if dist.get_rank() == 0 else None]
-    dist.broadcast_object_list(box, src=0)
-    return int(box[0])
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
+    chosen, error = -1, None
+    if dist.get_rank() == 0:
+        try:
+            chosen = latest(cfg, step).step
+        except NoCheckpointError as e:
+            error = e
+    box = torch.tensor([chosen], dtype=torch.int64, device=device)
+    dist.broadcast(box, src=0)
+    if error is not None:
+        raise error
+    if int(box.item()) < 0:
+        raise NoCheckpointError(f"no complete checkpoint of {cfg.namespace} (rank 0 found none)")
+    return int(box.item())
 
 
 def load(state_dict: dict, cfg: TieredConfig, step: int | None = None) -> TieredReader:
