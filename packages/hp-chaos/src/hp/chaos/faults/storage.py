@@ -13,6 +13,7 @@ import os
 import shutil
 import signal
 import subprocess
+import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -30,6 +31,29 @@ class StorageServer:
     pid: int
     port: int
     host: str = "127.0.0.1"
+
+
+def _wait_stopped(pid: int, timeout_s: float = 10.0) -> None:
+    """Return once every thread of ``pid`` is stopped: kill() returns before a thread running on
+    another core has stopped, and such a thread can still answer a request (seen with SeaweedFS)."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            tids = os.listdir(f"/proc/{pid}/task")
+        except FileNotFoundError:
+            return  # gone: nothing answers either
+        states = []
+        for tid in tids:
+            try:
+                with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                    states.append(f.read().rsplit(")", 1)[1].split()[0])  # the field after "(comm)"
+            except FileNotFoundError:
+                pass  # a thread that just exited
+        if all(state in ("T", "t") for state in states):
+            return
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"storage server pid {pid} did not stop within {timeout_s:g} s (thread states {states})")
+        time.sleep(0.005)
 
 
 class StorageOutage:
@@ -56,6 +80,7 @@ class StorageOutage:
     def start(self) -> None:
         if self.mode == "stop":
             os.kill(self.server.pid, signal.SIGSTOP)
+            _wait_stopped(self.server.pid)
         else:
             self._iptables("-I", *self._rule())
         self.active = True
