@@ -209,6 +209,7 @@ class Daemon:
         finally:
             with self.store.lock:
                 f.busy -= 1
+                self.store.trim(ns)
 
     @staticmethod
     def _file_crc(f: FileRec) -> int:
@@ -239,6 +240,7 @@ class Daemon:
             f.busy -= 1
         else:
             self.store.steps[ns][step].pinned -= 1
+        self.store.trim(ns)  # retention skipped this step while it was pinned
         self.store.lock.notify_all()
 
     def _release_superseded(self, ns: str) -> None:

@@ -163,7 +163,7 @@ class MemoryStore:
             f.items = items
             for ns, recs in self.steps.items():
                 if any(fr is f for r in recs.values() for fr in r.files.values()):
-                    self._trim_replicas(ns)
+                    self.trim(ns)
             self.lock.notify_all()
 
     def put_replica(self, ns: str, step: int, world: int, rank: int, items: list[list[int]], nbytes: int,
@@ -187,7 +187,7 @@ class MemoryStore:
             if rank in rec.files and rec.files[rank].primary:
                 return
             rec.files[rank] = FileRec(rank, str(final), nbytes, [i[:2] for i in items], items, primary=False)
-            self._trim_replicas(ns)
+            self.trim(ns)
             self.lock.notify_all()
 
     def put_meta(self, ns: str, step: int, world: int, meta_json: dict, meta_pickle: bytes,
@@ -196,13 +196,14 @@ class MemoryStore:
             rec = self.step_rec(ns, step, world)
             rec.meta_json, rec.meta_pickle = meta_json, meta_pickle
             rec.meta_primary = rec.meta_primary or primary
-            self._trim_replicas(ns)
+            self.trim(ns)
             self.lock.notify_all()
             return rec
 
-    def _trim_replicas(self, ns: str) -> None:
-        """Retention: steps older than the kept ones go. Replica files are deleted; primary slot
-        files stay allocated (marked free) for the next save to reuse."""
+    def trim(self, ns: str) -> None:
+        """Retention: steps older than the kept ones go, unless an upload or a replication still
+        reads them (then they go when it ends). Replica files are deleted; primary slot files stay
+        allocated (marked free) for the next save to reuse. Caller holds ``lock``."""
         kept = self._kept_steps(ns)
         for step, rec in list(self.steps.get(ns, {}).items()):
             if step in kept or rec.pinned or any(f.busy or f.items is None for f in rec.files.values()):
