@@ -45,7 +45,7 @@ def latest(cfg: TieredConfig, step: int | None = None) -> CheckpointRef:
 
 def _agreed_step(cfg: TieredConfig, step: int | None) -> int:
     """Every rank must load the same step: rank 0 decides and broadcasts it as a tensor (a number
-    needs no pickle); -1 tells the others there is none, so that every rank raises, not only rank 0."""
+    needs no pickle); -1 tells the others rank 0 has none, so that every rank raises, not only rank 0."""
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return latest(cfg, step).step
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
@@ -53,14 +53,15 @@ def _agreed_step(cfg: TieredConfig, step: int | None) -> int:
     if dist.get_rank() == 0:
         try:
             chosen = latest(cfg, step).step
-        except NoCheckpointError as e:
+        except Exception as e:  # none, or the tiers unreadable: the others must not wait for rank 0
             error = e
     box = torch.tensor([chosen], dtype=torch.int64, device=device)
     dist.broadcast(box, src=0)
     if error is not None:
         raise error
     if int(box.item()) < 0:
-        raise NoCheckpointError(f"no complete checkpoint of {cfg.namespace} (rank 0 found none)")
+        raise NoCheckpointError(f"no checkpoint of {cfg.namespace} to load: rank 0 found none or could not "
+                                f"read the tiers (its own error says which)")
     return int(box.item())
 
 
