@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import socket
+import subprocess
+import sys
 import time
 from datetime import timedelta
 
@@ -31,3 +33,8 @@ def test_the_heartbeat_goes_on_while_the_store_does_not_answer(tmp_path):
         watch.stop()
         silent.close()
     assert not heartbeat.exists()  # a process that left the step loop is no longer watched for hangs
+
+
+def test_membership_reads_the_protocol_without_the_controller():
+    code = "import hp.checkpointless.membership, sys; assert 'hp.core.controller' not in sys.modules"
+    subprocess.run([sys.executable, "-c", code], check=True)

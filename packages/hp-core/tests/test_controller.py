@@ -6,7 +6,8 @@ import json
 
 import pytest
 
-from hp.core.controller import Controller, ControllerConfig, JobState, Refused
+from hp.core.controller import Controller, ControllerConfig, Refused
+from hp.core.protocol import JobState
 
 
 class Clock:

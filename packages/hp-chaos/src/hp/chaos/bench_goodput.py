@@ -42,6 +42,7 @@ from itertools import pairwise
 from hp.chaos.multinode import recovery_after
 from hp.checkpointless.demo.run import DemoConfig, job_command
 from hp.checkpointless.events import read_events
+from hp.core.protocol import Decision, Event
 
 NEVER = 10**7  # steps: the window ends the job, not the step count
 
@@ -73,12 +74,12 @@ def _command(cfg: GoodputConfig, log_dir: str) -> list[str]:
 
 
 def _commits(events: list[dict]) -> list[dict]:
-    return [e for e in events if e["event"] == "commit" and e.get("rank") == 0]
+    return [e for e in events if e["event"] == Event.COMMIT and e.get("rank") == 0]
 
 
 def _holder_pid(events: list[dict], rank: int) -> int | None:
     """The process that most recently formed a group as ``rank``."""
-    ready = [e for e in events if e["event"] == "pg_ready" and e.get("rank") == rank]
+    ready = [e for e in events if e["event"] == Event.PG_READY and e.get("rank") == rank]
     return ready[-1]["pid"] if ready else None
 
 
@@ -217,9 +218,9 @@ def run_bench(cfg: GoodputConfig) -> dict:
         "faulted_steps_per_s": len(steps) / cfg.duration_s,
         "bitwise_equal_steps": len(shared),
         "bitwise_equal": all(set(steps[s]) == set(base_steps[s]) for s in shared),
-        "promotions": sum(d["decision"] == "promote_spare" for d in decisions),
-        "spares_added": sum(d["decision"] == "spare_added" for d in decisions),
-        "restarts": sum(d["decision"] == "restart_worker" for d in decisions),
+        "promotions": sum(d["decision"] == Decision.PROMOTE_SPARE for d in decisions),
+        "spares_added": sum(d["decision"] == Decision.SPARE_ADDED for d in decisions),
+        "restarts": sum(d["decision"] == Decision.RESTART_WORKER for d in decisions),
         "completed": completed and len(recovered) == len(faults),
         "config": asdict(cfg),
         "log_dir": root,
@@ -245,9 +246,11 @@ def _aftermath(events: list[dict], decisions: list[dict], faults: list[dict], re
     out = []
     for i, (fault, rec) in enumerate(zip(faults, recoveries)):
         later = [d for d in decisions if d["t"] >= fault["t"]]
-        promoted = next((d for d in later if d["decision"] == "promote_spare"), None)
-        added = next((d for d in later if d["decision"] == "spare_added" and promoted and d["t"] >= promoted["t"]), None)
-        ready = next((e for e in events if e["event"] == "spare_ready" and added and e.get("spare") == added["spare"]), None)
+        promoted = next((d for d in later if d["decision"] == Decision.PROMOTE_SPARE), None)
+        added = next((d for d in later if d["decision"] == Decision.SPARE_ADDED and promoted
+                      and d["t"] >= promoted["t"]), None)
+        ready = next((e for e in events if e["event"] == Event.SPARE_READY and added
+                      and e.get("spare") == added["spare"]), None)
         cut = faults[i + 1]["t"] if i + 1 < len(faults) else end
         recovery, ready_s = rec["recovery_s"], ready["t"] - fault["t"] if ready else None
         until = fault["t"] + max(recovery or 0.0, ready_s if ready_s is not None else cut - fault["t"])

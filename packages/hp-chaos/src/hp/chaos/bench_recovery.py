@@ -50,6 +50,7 @@ from hp.checkpointless.demo.run import (
     step_time,
 )
 from hp.checkpointless.events import read_events
+from hp.core.protocol import Event
 
 
 @dataclass
@@ -156,10 +157,10 @@ def run_hp(cfg: BenchConfig, root: str) -> dict[str, Any]:
                            "wall_s": {"reference": reference.wall_s, "faulted": faulted.wall_s}}
     if not out["completed"]:
         return {**out, "error_tail": (faulted.output if faulted.returncode else reference.output)[-2000:]}
-    t0 = next(e["t"] for e in faulted.events if e["event"] == "fault_injected")
-    back = next(e["t"] for e in faulted.events if e["event"] == "commit" and e.get("rank") == 0
+    t0 = next(e["t"] for e in faulted.events if e["event"] == Event.FAULT_INJECTED)
+    back = next(e["t"] for e in faulted.events if e["event"] == Event.COMMIT and e.get("rank") == 0
                 and e["t"] > t0 and e["step"] >= cfg.fault_step + 1)
-    before = median_step([e["t"] for e in faulted.events if e["event"] == "commit" and e.get("rank") == 0
+    before = median_step([e["t"] for e in faulted.events if e["event"] == Event.COMMIT and e.get("rank") == 0
                           and e["t"] < t0])
     out["step_time_s"] = before or out["reference_step_time_s"]
     phases = recovery_timeline(faulted.events)[0]["phases"]
@@ -172,7 +173,7 @@ def run_hp(cfg: BenchConfig, root: str) -> dict[str, Any]:
 # ---------------------------------------------------------------- torchrun + DCP: restart everything
 def analyse_torchrun(events: list[dict], fault_step: int) -> dict[str, Any]:
     """Downtime, where it went, and the recomputed steps, from the baseline's per-rank event logs."""
-    fault = next((e for e in events if e["event"] == "fault_injected"), None)
+    fault = next((e for e in events if e["event"] == Event.FAULT_INJECTED), None)
     if fault is None:
         return {"error": "no fault was injected"}
     t0 = fault["t"]
@@ -180,7 +181,7 @@ def analyse_torchrun(events: list[dict], fault_step: int) -> dict[str, Any]:
 
     def commits(attempt: int) -> dict[int, dict]:
         return {e["step"]: e for e in events
-                if e["event"] == "commit" and e["rank"] == 0 and e.get("attempt") == attempt}
+                if e["event"] == Event.COMMIT and e["rank"] == 0 and e.get("attempt") == attempt}
 
     def last(event: str) -> float | None:
         hits = [e["t"] for e in after if e["event"] == event]
@@ -189,22 +190,22 @@ def analyse_torchrun(events: list[dict], fault_step: int) -> dict[str, Any]:
     before, again = commits(0), commits(1)
     if fault_step + 1 not in again:
         return {"error": f"step {fault_step + 1} was never committed after the restart"}
-    starts = [e["at"] for e in after if e["event"] == "started"]
+    starts = [e["at"] for e in after if e["event"] == Event.STARTED]
     marks = {
         "detect_teardown": min(starts) - t0 if starts else None,  # the first new process exists
-        "process_start_import": last("imported"),
-        "data_attach": last("data_attached"),
-        "pg_init": last("pg_ready"),
-        "model_build": last("model_ready"),
-        "dcp_load": last("restored"),
+        "process_start_import": last(Event.IMPORTED),
+        "data_attach": last(Event.DATA_ATTACHED),
+        "pg_init": last(Event.PG_READY),
+        "model_build": last(Event.MODEL_READY),
+        "dcp_load": last(Event.RESTORED),
         # nothing to recompute (checkpointed at the fault step): a zero-length phase, not a missing one
-        "recompute": again[fault_step]["t"] - t0 if fault_step in again else last("restored"),
+        "recompute": again[fault_step]["t"] - t0 if fault_step in again else last(Event.RESTORED),
         "interrupted_step": again[fault_step + 1]["t"] - t0,
     }
     recomputed = sorted(s for s in again if s in before)
     step_time = median_step([e["t"] for e in before.values()])
-    saves = [e["duration_s"] for e in events if e["event"] == "checkpoint_saved" and e["rank"] == 0]
-    restored = next((e["step"] for e in after if e["event"] == "restored" and e["rank"] == 0), None)
+    saves = [e["duration_s"] for e in events if e["event"] == Event.CHECKPOINT_SAVED and e["rank"] == 0]
+    restored = next((e["step"] for e in after if e["event"] == Event.RESTORED and e["rank"] == 0), None)
     return {
         "downtime_s": lost_time(marks["interrupted_step"], step_time), "to_next_step_s": marks["interrupted_step"],
         "recovery_s": marks["dcp_load"], "breakdown": _phases(marks),

@@ -25,6 +25,7 @@ from hp.chaos.scenario import JobSpec
 from hp.checkpointless.demo.run import DemoConfig, RunResult, job_command
 from hp.checkpointless.events import EventLog, read_events
 from hp.core import auth
+from hp.core.protocol import Event
 from hp.core.testing import HP, free_port, kill_tagged
 
 POLL_S = 0.02
@@ -111,9 +112,9 @@ class Live:
 
     def update(self) -> None:
         for e in self.tail.poll():
-            if e["event"] == "commit" and e.get("rank") == 0:
+            if e["event"] == Event.COMMIT and e.get("rank") == 0:
                 self._committed = max(self._committed, e["step"])
-            elif e["event"] == "spare_ready":
+            elif e["event"] == Event.SPARE_READY:
                 self._spares[e["spare"]] = e["pid"]
 
     def committed(self) -> int:

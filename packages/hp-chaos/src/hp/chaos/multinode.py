@@ -28,6 +28,7 @@ from hp.chaos.topology import Topology
 from hp.checkpointless.demo.run import DemoConfig, RunResult, job_command
 from hp.checkpointless.events import read_events
 from hp.core import auth
+from hp.core.protocol import Event
 
 CONTROLLER_PORT = 29400  # each namespace has its own ports: a fixed one cannot collide
 
@@ -74,7 +75,7 @@ class MultiNodeJob:
 
     def committed(self) -> int:
         """The newest step rank 0 committed so far (-1 before the first)."""
-        return max((e["step"] for e in self.events() if e["event"] == "commit" and e.get("rank") == 0), default=-1)
+        return max((e["step"] for e in self.events() if e["event"] == Event.COMMIT and e.get("rank") == 0), default=-1)
 
     def poll(self) -> None:
         for i, p in enumerate(self.procs):
@@ -127,11 +128,12 @@ class MultiNodeJob:
 def recovery_after(events: list[dict], t0: float) -> dict:
     """Seconds from an external fault at ``t0`` (wall clock) to the survivors noticing it, to the
     new generation forming, and to rank 0's first commit in it (None where it never happened)."""
-    before = [e for e in events if e["event"] == "commit" and e.get("rank") == 0 and e["t"] < t0]
+    before = [e for e in events if e["event"] == Event.COMMIT and e.get("rank") == 0 and e["t"] < t0]
     old = before[-1]["generation"] if before else None
     after = [e for e in events if e["t"] >= t0]
-    detect = next((e["t"] - t0 for e in after if e["event"] == "failure_detected"), None)
-    formed = next((e["t"] - t0 for e in after if e["event"] == "pg_ready" and e.get("generation") != old), None)
-    commit = next((e for e in after if e["event"] == "commit" and e.get("rank") == 0 and e["generation"] != old), None)
+    detect = next((e["t"] - t0 for e in after if e["event"] == Event.FAILURE_DETECTED), None)
+    formed = next((e["t"] - t0 for e in after if e["event"] == Event.PG_READY and e.get("generation") != old), None)
+    commit = next((e for e in after if e["event"] == Event.COMMIT and e.get("rank") == 0 and e["generation"] != old),
+                  None)
     return {"detect_s": detect, "reformed_s": formed, "recovery_s": commit["t"] - t0 if commit else None,
             "resumed_step": commit["step"] if commit else None}

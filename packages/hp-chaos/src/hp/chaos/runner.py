@@ -29,6 +29,7 @@ from hp.chaos.faults.base import FaultSpec
 from hp.chaos.launch import JobRun, run_job
 from hp.chaos.scenario import JobSpec, Scenario
 from hp.checkpointless.demo.run import RunResult, compare, recovery_timeline, step_time
+from hp.core.protocol import Event
 
 
 class ReferenceCache:
@@ -128,13 +129,13 @@ def _matches(spec: FaultSpec, event: dict) -> bool:
 
 def _next_commit(events: list[dict], t0: float, step: int) -> float | None:
     """Seconds from ``t0`` to rank 0's first commit of ``step`` or a later one."""
-    return next((e["t"] - t0 for e in events if e["event"] == "commit" and e.get("rank") == 0
+    return next((e["t"] - t0 for e in events if e["event"] == Event.COMMIT and e.get("rank") == 0
                  and e["t"] >= t0 and e["step"] >= step), None)
 
 
 def goodput(faulted: RunResult) -> float | None:
     """Productive step time / wall time of the run's training window (see the module docstring)."""
-    got = [e for e in faulted.events if e["event"] == "commit" and e.get("rank") == 0]
+    got = [e for e in faulted.events if e["event"] == Event.COMMIT and e.get("rank") == 0]
     if len(got) < 2:
         return None
     window = got[-1]["t"] - got[0]["t"]
@@ -156,7 +157,7 @@ def evaluate(scenario: Scenario, reference: RunResult, run: JobRun, persisted: d
     completed = faulted.returncode == 0 and not run.timed_out
     verdict = compare(reference, faulted)
     timeline = recovery_timeline(events)
-    injected = [e for e in events if e["event"] == "fault_injected"]
+    injected = [e for e in events if e["event"] == Event.FAULT_INJECTED]
     faults = []
     for spec in scenario.faults:
         j = next((j for j, e in enumerate(injected) if _matches(spec, e)), None)
@@ -172,7 +173,7 @@ def evaluate(scenario: Scenario, reference: RunResult, run: JobRun, persisted: d
                        "t": injected[j]["t"] if j is not None else None,
                        "recovery_s": recovery if list(phases) == ["replay"] else entry["recovery_s"],
                        "phases": phases})
-    recoveries = len({e["generation"] for e in events if e["event"] == "failure_detected"})
+    recoveries = len({e["generation"] for e in events if e["event"] == Event.FAILURE_DETECTED})
     gp = goodput(faulted)
     failures: list[str] = []
     if reference.returncode != 0:
@@ -240,7 +241,7 @@ def evaluate(scenario: Scenario, reference: RunResult, run: JobRun, persisted: d
 
 
 def _first_commit(result: RunResult) -> float | None:
-    return next((e["t"] for e in result.events if e["event"] == "commit" and e.get("rank") == 0), None)
+    return next((e["t"] for e in result.events if e["event"] == Event.COMMIT and e.get("rank") == 0), None)
 
 
 def _where_stuck(result: RunResult) -> str:

@@ -1,6 +1,6 @@
 """A worker's view of the job's membership, read from the coordination store.
 
-The controller publishes (see :mod:`hp.core.controller`) the plan of every generation, then the
+The controller publishes (see :mod:`hp.core.protocol`) the plan of every generation, then the
 generation number, and the rank it gives a promoted spare. Workers only read; every decision is the
 controller's. Background threads beat the heartbeat file the agent uses to detect hangs and abort
 the process group as soon as a newer generation appears, which releases a rank blocked in a
@@ -9,30 +9,21 @@ collective whose peer is gone.
 
 from __future__ import annotations
 
-import json
 import os
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from datetime import timedelta
 
 import torch.distributed as dist
 
-from hp.core.controller import GENERATION_KEY, generation_key, spare_key
+from hp.core.protocol import (
+    GENERATION_KEY, Plan, SpareAssignment, arrive_prefix, plan_key, spare_key,
+)
 
 
 class Superseded(RuntimeError):
     """A newer generation appeared while this one was forming."""
-
-
-@dataclass(frozen=True)
-class Plan:
-    generation: int
-    world_size: int
-    state: str
-    reason: str
-    holders: dict[int, str]
 
 
 def latest_generation(store: dist.Store) -> int:
@@ -40,9 +31,7 @@ def latest_generation(store: dist.Store) -> int:
 
 
 def read_plan(store: dist.Store, generation: int) -> Plan:
-    raw = json.loads(store.get(generation_key(generation)))
-    holders = {int(r): h for r, h in raw.get("holders", {}).items()}
-    return Plan(raw["generation"], int(raw.get("world_size", 0)), raw["state"], raw.get("reason", ""), holders)
+    return Plan.from_json(store.get(plan_key(generation)))
 
 
 def wait_for_generation(store: dist.Store, minimum: int, poll_s: float = 0.005,
@@ -65,9 +54,6 @@ def wait_for_generation(store: dist.Store, minimum: int, poll_s: float = 0.005,
         time.sleep(poll_s)
 
 
-STATE_NBYTES_KEY = "hp/state_nbytes"  # size of a full hydration, published by rank 0 after its first commit
-
-
 def wait_for_assignment(store: dist.Store, spare: str, poll_s: float = 0.005,
                         on_idle: Callable[[dist.Store], None] | None = None, idle_every_s: float = 0.5) -> tuple[int, int]:
     """Block a hot spare until the controller gives it a rank; returns (rank, generation).
@@ -80,14 +66,14 @@ def wait_for_assignment(store: dist.Store, spare: str, poll_s: float = 0.005,
             on_idle(store)
             last_idle = time.monotonic()
         time.sleep(poll_s)
-    raw = json.loads(store.get(key))
-    return int(raw["rank"]), int(raw["generation"])
+    assignment = SpareAssignment.from_json(store.get(key))
+    return assignment.rank, assignment.generation
 
 
 def arrive(store: dist.Store, generation: int, world_size: int, poll_s: float = 0.002) -> None:
     """Barrier of one generation on the store, abandoned (``Superseded``) if a newer generation
     appears: only then is the process group initialised, so init never waits on a dead rank."""
-    prefixed = dist.PrefixStore(f"hp/arrive/{generation}/", store)
+    prefixed = dist.PrefixStore(arrive_prefix(generation), store)
     prefixed.add("count", 1)
     while prefixed.add("count", 0) < world_size:
         if latest_generation(store) > generation:

@@ -1,19 +1,38 @@
-"""hp-core: plugins, the per-node agent (``hp run``), the job controller and the coordination store."""
+"""hp-core: plugins, the per-node agent (``hp run``), the job controller and the coordination store.
 
-from hp.core.config import Endpoint, RunConfig, parse_endpoint
-from hp.core.controller import Controller, ControllerConfig, JobState
-from hp.core.errors import BackendUnavailableError, ControlPlaneError, HpError, UnknownBackendError, UsageError
-from hp.core.hookspecs import hookimpl, hookspec
-from hp.core.plugins import BackendInfo, backends, get_backend, get_plugin_manager, list_backends
-from hp.core.scheduler import Capacity, SchedulerBackend
-from hp.core.store import StoreBackend, StoreServer
-from hp.core.transport import TransportBackend, generation_prefix
-from hp.core.worker import WorkerContext
+Names are imported on first use: a worker that needs only the contracts of :mod:`hp.core.protocol`
+does not load the controller, pluggy or the backends.
+"""
 
-__all__ = [
-    "BackendInfo", "BackendUnavailableError", "Capacity", "ControlPlaneError", "Controller",
-    "ControllerConfig", "Endpoint", "HpError", "JobState", "RunConfig", "SchedulerBackend",
-    "StoreBackend", "StoreServer", "TransportBackend", "UnknownBackendError", "UsageError",
-    "WorkerContext", "backends", "generation_prefix", "get_backend", "get_plugin_manager",
-    "hookimpl", "hookspec", "list_backends", "parse_endpoint",
-]
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "Endpoint": "hp.core.config", "RunConfig": "hp.core.config", "parse_endpoint": "hp.core.config",
+    "Controller": "hp.core.controller", "ControllerConfig": "hp.core.controller",
+    "BackendUnavailableError": "hp.core.errors", "ControlPlaneError": "hp.core.errors", "HpError": "hp.core.errors",
+    "UnknownBackendError": "hp.core.errors", "UsageError": "hp.core.errors",
+    "hookimpl": "hp.core.hookspecs", "hookspec": "hp.core.hookspecs",
+    "BackendInfo": "hp.core.plugins", "backends": "hp.core.plugins", "get_backend": "hp.core.plugins",
+    "get_plugin_manager": "hp.core.plugins", "list_backends": "hp.core.plugins",
+    "GENERATION_KEY": "hp.core.protocol", "STATE_NBYTES_KEY": "hp.core.protocol", "Decision": "hp.core.protocol",
+    "Event": "hp.core.protocol", "FailureAction": "hp.core.protocol", "JobState": "hp.core.protocol",
+    "Plan": "hp.core.protocol", "ProtocolError": "hp.core.protocol", "SpareAssignment": "hp.core.protocol",
+    "Verb": "hp.core.protocol", "arrive_prefix": "hp.core.protocol", "node_service_key": "hp.core.protocol",
+    "plan_key": "hp.core.protocol", "spare_holder": "hp.core.protocol", "spare_id": "hp.core.protocol",
+    "spare_key": "hp.core.protocol", "worker_holder": "hp.core.protocol",
+    "Capacity": "hp.core.scheduler", "SchedulerBackend": "hp.core.scheduler",
+    "StoreBackend": "hp.core.store", "StoreServer": "hp.core.store",
+    "TransportBackend": "hp.core.transport", "generation_prefix": "hp.core.transport",
+    "WorkerContext": "hp.core.worker",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'hp.core' has no attribute {name!r}")
+    return getattr(importlib.import_module(_EXPORTS[name]), name)

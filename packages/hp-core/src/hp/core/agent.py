@@ -30,9 +30,10 @@ from torch.distributed.elastic.multiprocessing.api import SignalException
 from hp.core import auth, forkserver
 from hp.core.config import RunConfig
 from hp.core.control_plane import ControlClient, ControlServer
-from hp.core.controller import Controller, ControllerConfig, spare_holder, spare_id, worker_holder
+from hp.core.controller import Controller, ControllerConfig
 from hp.core.errors import ControlPlaneError, HpError
 from hp.core.plugins import get_backend
+from hp.core.protocol import FailureAction, JobState, Verb, spare_holder, spare_id, worker_holder
 from hp.core.services import NodeContext, ServiceError, ServiceHost
 from hp.core.store import StoreServer
 from hp.core.workers import Worker, python_command
@@ -156,7 +157,7 @@ class Agent:
         ), publish=self._store.store.set)
         self._server = ControlServer(controller, self.token, ep.host, ep.port).start()
 
-    def _call_until(self, client: ControlClient, verb: str, payload: dict, done, what: str) -> dict:
+    def _call_until(self, client: ControlClient, verb: Verb, payload: dict, done, what: str) -> dict:
         """Retry ``verb`` until ``done(answer)`` or the rendezvous timeout; unreachable is retried."""
         deadline = time.monotonic() + self.cfg.rdzv_timeout_s
         last_error = "no answer"
@@ -174,11 +175,11 @@ class Agent:
 
     def _rendezvous(self, client: ControlClient) -> Assignment:
         me = {"node_rank": self.cfg.node_rank}
-        self._call_until(client, "join", {**me, "nproc": self.cfg.nproc_per_node, "spares": self.cfg.spares,
-                                           "host": socket.gethostname(), "address": self._address},
+        self._call_until(client, Verb.JOIN, {**me, "nproc": self.cfg.nproc_per_node, "spares": self.cfg.spares,
+                                              "host": socket.gethostname(), "address": self._address},
                          lambda a: True, "joining the controller")
-        a = self._call_until(client, "rendezvous", me, lambda a: a["state"] != "rendezvous", "rendezvous")
-        if a["state"] != "running":
+        a = self._call_until(client, Verb.RENDEZVOUS, me, lambda a: a["state"] != JobState.RENDEZVOUS, "rendezvous")
+        if a["state"] != JobState.RUNNING:
             raise JobFailed(a.get("reason") or f"job is {a['state']}")
         self.generation = a["generation"]
         self._last_ok = time.monotonic()
@@ -193,7 +194,7 @@ class Agent:
         store = None if self.cfg.nnodes == 1 else self.store_backend.connect(a.store_host, a.store_port)
 
         def keep_alive() -> None:  # while waiting for the other nodes' services: stay a live node
-            if self._call(client, "heartbeat", {})["state"] == "failed":
+            if self._call(client, Verb.HEARTBEAT, {})["state"] == JobState.FAILED:
                 raise JobFailed("the job failed while node services were starting")
 
         try:
@@ -281,25 +282,25 @@ class Agent:
                     w.finish()
                     say(f"spare {w.spare_id} (pid {w.pid}) exited: {w.exit.describe()}")
                     self.spares.remove(w)
-                    self._call(client, "spare_failed", {"spare": w.spare_id})
+                    self._call(client, Verb.SPARE_FAILED, {"spare": w.spare_id})
             if time.monotonic() >= next_beat:
                 next_beat = time.monotonic() + self.cfg.heartbeat_interval_s
-                beat = self._call(client, "heartbeat", {})
+                beat = self._call(client, Verb.HEARTBEAT, {})
                 for line in self.services.check():
                     say(line)
                 self.generation = max(self.generation, beat["generation"])
                 for promotion in beat.get("promotions", []):
                     self._promote(promotion)
                 self._cut_lost(beat.get("lost", []))
-                if beat["state"] == "failed":
+                if beat["state"] == JobState.FAILED:
                     raise JobFailed(beat["reason"])
-                if beat["state"] == "succeeded":
+                if beat["state"] == JobState.SUCCEEDED:
                     return 0
             if not self._done_reported and all(w.exit and w.exit.ok for w in self.workers):
                 for spare in self.spares:
                     spare.stop(signal.SIGTERM)  # nothing left on this node for a spare to replace
                 self.spares.clear()
-                self._call(client, "node_done", {}, fenced=True)
+                self._call(client, Verb.NODE_DONE, {}, fenced=True)
                 self._done_reported = True
                 if not self.cfg.hosts_controller:
                     say(f"node {self.cfg.node_rank}: all {len(self.workers)} workers succeeded")
@@ -307,7 +308,7 @@ class Agent:
                 next_beat = 0.0
             time.sleep(self.cfg.monitor_interval_s)
 
-    def _call(self, client: ControlClient, verb: str, payload: dict, fenced: bool = False) -> dict:
+    def _call(self, client: ControlClient, verb: Verb, payload: dict, fenced: bool = False) -> dict:
         """One request stamped with this node and generation. A stale-generation refusal is
         answered by catching up to the controller's generation and asking again, once; an
         unreachable controller is retried until this node's lease ends (then :class:`Fenced`)."""
@@ -337,22 +338,22 @@ class Agent:
     def _on_failure(self, client: ControlClient, w: Worker) -> None:
         st = w.exit
         say(f"rank {w.rank} (pid {st.pid}) failed: {st.describe()}; reporting to the controller")
-        decision = self._call(client, "worker_failed", {
+        decision = self._call(client, Verb.WORKER_FAILED, {
             "rank": w.rank, "holder": w.holder, "pid": st.pid, "exitcode": st.exitcode,
             "signal": st.signal, "message": st.message,
         }, fenced=True)
         w.finish()
         action = decision["action"]
-        if action == "stop":
+        if action == FailureAction.STOP:
             raise JobFailed(decision["reason"])
         self.generation = max(self.generation, decision["generation"])
-        if action == "restart":
+        if action == FailureAction.RESTART:
             w.restarts, w.holder = w.restarts + 1, decision["holder"]
             w.start(self._worker_env(w))
             say(f"restarted rank {w.rank} as pid {w.pid} (generation {self.generation}, restart {w.restarts})")
             return
         self.workers.remove(w)  # the rank now lives in a spare process, here or on another node
-        if action == "promote_spare":
+        if action == FailureAction.PROMOTE_SPARE:
             self._promote(decision)
         else:
             say(f"rank {w.rank} moved to a spare on node {decision['node']} (generation {self.generation})")
@@ -378,7 +379,7 @@ class Agent:
                                     holder=spare_holder(sid))
         w.start(self._worker_env(w))
         self.spares.append(w)
-        self._call(self._client, "spare_added", {"spare": sid})
+        self._call(self._client, Verb.SPARE_ADDED, {"spare": sid})
         say(f"started spare {sid} (pid {w.pid}, forked with torch imported) to replace the promoted one")
 
     def _cut_lost(self, addresses: list[str]) -> None:
@@ -399,7 +400,7 @@ class Agent:
     def _tell_stopping(self, why: str) -> None:
         try:
             ControlClient(self._client_endpoint(), self.token, timeout_s=2).call(
-                "node_stopping", {"node_rank": self.cfg.node_rank, "generation": self.generation, "reason": why})
+                Verb.NODE_STOPPING, {"node_rank": self.cfg.node_rank, "generation": self.generation, "reason": why})
         except ControlPlaneError:
             pass  # the controller may be gone already; stopping goes on regardless
 

@@ -106,8 +106,9 @@ def _add_controller(sub: argparse._SubParsersAction) -> None:
 
 def _controller(args: argparse.Namespace) -> int:
     from hp.core.control_plane import ControlServer
-    from hp.core.controller import Controller, ControllerConfig, JobState
+    from hp.core.controller import Controller, ControllerConfig
     from hp.core.plugins import get_backend
+    from hp.core.protocol import JobState
 
     if args.nnodes < 1:
         raise UsageError(f"--nnodes must be >= 1, got {args.nnodes}")

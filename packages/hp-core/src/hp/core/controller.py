@@ -13,32 +13,15 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
-from enum import Enum
 from typing import Any, Callable
 
-from hp.core.spares import SparePool, spare_holder, spare_id, spare_key  # noqa: F401 (re-exported)
+from hp.core.protocol import (
+    GENERATION_KEY, Decision, FailureAction, JobState, Plan, SpareAssignment, Verb, plan_key, spare_holder,
+    spare_id, spare_key, worker_holder,
+)
+from hp.core.spares import SparePool
 
 log = logging.getLogger("hp.controller")
-
-# Store keys the controller publishes for workers (see hp.checkpointless): the latest generation,
-# the plan of each generation, and the rank given to a promoted spare.
-GENERATION_KEY = "hp/generation"
-
-
-def generation_key(generation: int) -> str:
-    return f"hp/plan/{generation}"
-
-
-def worker_holder(rank: int, attempt: int) -> str:
-    """Id of the process holding ``rank`` after ``attempt`` restarts."""
-    return f"r{rank}.{attempt}"
-
-
-class JobState(str, Enum):
-    RENDEZVOUS = "rendezvous"
-    RUNNING = "running"
-    SUCCEEDED = "succeeded"
-    FAILED = "failed"
 
 
 class Refused(Exception):
@@ -109,17 +92,17 @@ class Controller:
         self.rank_exceptions: dict[int, int] = {}
         self.decisions: list[dict] = []
         self._handlers = {
-            "join": self._join,
-            "rendezvous": self._rendezvous,
-            "heartbeat": self._heartbeat,
-            "worker_failed": self._worker_failed,
-            "rank_failed": self._rank_failed,
-            "spare_failed": self._spare_failed,
-            "spare_added": self._spare_added,
-            "spare_ready": self._spare_ready,
-            "node_done": self._node_done,
-            "node_stopping": self._node_stopping,
-            "state": lambda p: self.snapshot(),
+            Verb.JOIN: self._join,
+            Verb.RENDEZVOUS: self._rendezvous,
+            Verb.HEARTBEAT: self._heartbeat,
+            Verb.WORKER_FAILED: self._worker_failed,
+            Verb.RANK_FAILED: self._rank_failed,
+            Verb.SPARE_FAILED: self._spare_failed,
+            Verb.SPARE_ADDED: self._spare_added,
+            Verb.SPARE_READY: self._spare_ready,
+            Verb.NODE_DONE: self._node_done,
+            Verb.NODE_STOPPING: self._node_stopping,
+            Verb.STATE: lambda p: self.snapshot(),
         }
 
     # ---- entry points -------------------------------------------------------------------
@@ -137,7 +120,7 @@ class Controller:
 
     def record_refusal(self, verb: str, status: int, message: str, node_rank: Any = None) -> None:
         log.warning("refused %s from node %s: %s", verb, node_rank, message)
-        self._log("refused", request=verb, status=status, reason=message, node_rank=node_rank)
+        self._log(Decision.REFUSED, request=verb, status=status, reason=message, node_rank=node_rank)
 
     def check_liveness(self) -> None:
         """Nodes silent past the heartbeat timeout are lost together: every rank they held goes to a
@@ -158,7 +141,7 @@ class Controller:
         gone = {n.node_rank for n in lost}
         for node in lost:
             node.lost = True
-            self._log("node_lost", node_rank=node.node_rank, host=node.host, address=node.address,
+            self._log(Decision.NODE_LOST, node_rank=node.node_rank, host=node.host, address=node.address,
                       silent_s=round(now - node.last_seen, 3))
         self.spares.drop_nodes(gone)
         ranks = sorted(r for r, owner in self.members.items() if owner in gone)
@@ -187,7 +170,7 @@ class Controller:
         }
 
     # ---- decisions ----------------------------------------------------------------------
-    def _log(self, decision: str, **details: Any) -> None:
+    def _log(self, decision: Decision, **details: Any) -> None:
         entry = {"t": time.time(), "generation": self.generation, "decision": decision, **details}
         self.decisions.append(entry)
         if self.config.decision_log:
@@ -196,17 +179,15 @@ class Controller:
 
     def _bump(self, why: str, **details: Any) -> None:
         self.generation += 1
-        self._log("new_generation", why=why, **details)
+        self._log(Decision.NEW_GENERATION, why=why, **details)
         self._publish_generation(why)
 
     def _publish_generation(self, why: str) -> None:
         """Tell every worker through the store: the plan of the new generation first, then its
         number, so a worker that sees the number can always read the plan."""
-        world = sum(n.nproc for n in self.nodes.values())
-        plan = {"generation": self.generation, "world_size": world, "why": why,
-                "state": self.state.value, "reason": self.reason,
-                "holders": {str(r): h for r, h in self.holders.items()}}
-        self._publish(generation_key(self.generation), json.dumps(plan))
+        plan = Plan(self.generation, sum(n.nproc for n in self.nodes.values()), self.state.value, self.reason,
+                    dict(self.holders), why)
+        self._publish(plan_key(self.generation), plan.to_json())
         self._publish(GENERATION_KEY, str(self.generation))
 
     def _publish(self, key: str, value: str) -> None:
@@ -217,7 +198,7 @@ class Controller:
         # Ending the job is the last membership change: workers waiting for a new generation
         # read its plan and stop.
         self.state, self.reason = JobState.FAILED, reason
-        self._log("fail_job", reason=reason)
+        self._log(Decision.FAIL_JOB, reason=reason)
         self._bump("job_failed")
 
     def _fence(self, payload: dict) -> NodeRecord:
@@ -267,7 +248,7 @@ class Controller:
         if known and (known.nproc, known.host, known.spares) != (nproc, host, spares):
             raise Refused(409, f"node_rank {node_rank} already joined from {known.host}")
         self.nodes[node_rank] = NodeRecord(node_rank, nproc, host, spares, address=address)
-        self._log("join", node_rank=node_rank, host=host, nproc=nproc, spares=spares)
+        self._log(Decision.JOIN, node_rank=node_rank, host=host, nproc=nproc, spares=spares)
         if len(self.nodes) == self.config.nnodes:
             offset = 0
             for node in (self.nodes[n] for n in sorted(self.nodes)):
@@ -333,22 +314,24 @@ class Controller:
             self._bump("spare_promoted", rank=rank, spare=spare, cause=cause)
             promotion = self._announce(rank, spare, ready, node.node_rank, cause)
             if self.members[rank] == node.node_rank:
-                return {"action": "promote_spare", **promotion}
-            return {"action": "moved", "rank": rank, "node": self.members[rank], "generation": self.generation}
+                return {"action": FailureAction.PROMOTE_SPARE, **promotion}
+            return {"action": FailureAction.MOVED, "rank": rank, "node": self.members[rank],
+                    "generation": self.generation}
         if self.restarts < self.config.max_restarts:
             self.restarts += 1
             attempt = self.rank_restarts[rank] = self.rank_restarts.get(rank, 0) + 1
             self.holders[rank] = worker_holder(rank, attempt)
             self._bump("worker_restart", rank=rank, cause=cause)
-            self._log("restart_worker", rank=rank, node_rank=node.node_rank, cause=cause, restarts=self.restarts)
-            return {"action": "restart", "generation": self.generation, "rank": rank, "holder": self.holders[rank]}
+            self._log(Decision.RESTART_WORKER, rank=rank, node_rank=node.node_rank, cause=cause, restarts=self.restarts)
+            return {"action": FailureAction.RESTART, "generation": self.generation, "rank": rank,
+                    "holder": self.holders[rank]}
         message = p.get("message")
         detail = f": {message}" if isinstance(message, str) and message else ""
         spent = f"restarts exhausted ({self.restarts}/{self.config.max_restarts})"
         if self.spares.seen:
             spent = f"no spare left ({len(self.spares.seen)} started) and {spent}"
         self._fail(f"{who} {cause}{detail}; {spent}")
-        return {"action": "stop", "reason": self.reason, "generation": self.generation}
+        return {"action": FailureAction.STOP, "reason": self.reason, "generation": self.generation}
 
     def _give(self, rank: int, spare: str) -> bool:
         """Hand ``rank`` to a free spare (before the generation bump); returns whether it was ready."""
@@ -361,10 +344,10 @@ class Controller:
         """After the bump: log the promotion, tell the spare its rank through the store, and queue it
         for the spare's agent unless that agent reported the failure (it hears the answer)."""
         owner = self.members[rank]
-        self._log("promote_spare", rank=rank, spare=spare, spare_node=owner, failed_node=failed_node,
+        self._log(Decision.PROMOTE_SPARE, rank=rank, spare=spare, spare_node=owner, failed_node=failed_node,
                   cause=cause, ready=ready)
         promotion = {"spare": spare, "rank": rank, "generation": self.generation}
-        self._publish(spare_key(spare), json.dumps({"rank": rank, "generation": self.generation}))
+        self._publish(spare_key(spare), SpareAssignment(rank, self.generation).to_json())
         if owner != failed_node:
             self.nodes[owner].promotions.append(promotion)
         return promotion
@@ -380,23 +363,23 @@ class Controller:
         if reason == "unrecoverable":  # state no peer can rebuild: in-process recovery is over
             message = p.get("message") if isinstance(p.get("message"), str) else "state lost"
             self._fail(f"rank {rank} cannot recover in process: {message}")
-            return {"action": "stop", "reason": self.reason, "generation": self.generation}
+            return {"action": FailureAction.STOP, "reason": self.reason, "generation": self.generation}
         # only a rank's own exceptions count against it: a collective error names no culprit
         count = self.rank_exceptions.get(rank, 0) + (reason == "exception")
         self.rank_exceptions[rank] = count
         if count > self.config.max_rank_exceptions:
-            self._log("escalate", rank=rank, reason=reason, failures=count)
-            return {"action": "exit", "generation": self.generation,
+            self._log(Decision.ESCALATE, rank=rank, reason=reason, failures=count)
+            return {"action": FailureAction.EXIT, "generation": self.generation,
                     "reason": f"rank {rank} failed in process {count} times"}
         self._bump("in_process_recovery", rank=rank, reason=reason)
-        return {"action": "reform", "generation": self.generation}
+        return {"action": FailureAction.REFORM, "generation": self.generation}
 
     def _spare_failed(self, p: dict) -> dict:
         node = self._node(p)
         spare = _field(p, "spare", str)
         if self.free_spares.get(spare) == node.node_rank:
             self.spares.take(spare)
-            self._log("spare_lost", spare=spare, node_rank=node.node_rank)
+            self._log(Decision.SPARE_LOST, spare=spare, node_rank=node.node_rank)
         return {"free_spares": len(self.free_spares)}
 
     def _spare_added(self, p: dict) -> dict:
@@ -407,7 +390,7 @@ class Controller:
         if (problem := self.spares.invalid_new(spare, node.node_rank)) is not None:
             raise Refused(*problem)
         self.spares.add(spare, node.node_rank)
-        self._log("spare_added", spare=spare, node_rank=node.node_rank)
+        self._log(Decision.SPARE_ADDED, spare=spare, node_rank=node.node_rank)
         return {"free_spares": len(self.free_spares)}
 
     def _spare_ready(self, p: dict) -> dict:
@@ -417,16 +400,16 @@ class Controller:
         spare = _field(p, "spare", str)
         ready = self.spares.mark_ready(spare, node.node_rank)
         if ready:
-            self._log("spare_ready", spare=spare, node_rank=node.node_rank)
+            self._log(Decision.SPARE_READY, spare=spare, node_rank=node.node_rank)
         return {"ready": ready}
 
     def _node_done(self, p: dict) -> dict:
         node = self._fence(p)
         node.done = True
-        self._log("node_done", node_rank=node.node_rank)
+        self._log(Decision.NODE_DONE, node_rank=node.node_rank)
         if self.state is JobState.RUNNING and all(n.done or n.lost for n in self.nodes.values()):
             self.state = JobState.SUCCEEDED
-            self._log("job_succeeded")
+            self._log(Decision.JOB_SUCCEEDED)
         return {"state": self.state.value}
 
     def _node_stopping(self, p: dict) -> dict:

@@ -25,11 +25,10 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Callable, Protocol
 
 from hp.core.errors import HpError, UsageError
+from hp.core.protocol import node_service_key
 
 if TYPE_CHECKING:
     import torch.distributed as dist
-
-STORE_PREFIX = "hp/node_service"
 
 
 class ServiceError(HpError):
@@ -124,7 +123,7 @@ class ServiceHost:
     @staticmethod
     def _exchange(store: dist.Store, name: str, node: NodeContext, endpoint: str, timeout_s: float,
                   keep_alive: Callable[[], None]) -> list[str]:
-        keys = [f"{STORE_PREFIX}/{name}/{n}" for n in range(node.nnodes)]
+        keys = [node_service_key(name, n) for n in range(node.nnodes)]
         store.set(keys[node.node_rank], endpoint)
         deadline = time.monotonic() + timeout_s
         while True:

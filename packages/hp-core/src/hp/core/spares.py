@@ -10,19 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-
-def spare_id(node_rank: int, index: int) -> str:
-    return f"n{node_rank}s{index}"
-
-
-def spare_key(spare: str) -> str:
-    """Store key where the controller gives a promoted spare its rank."""
-    return f"hp/spare/{spare}"
-
-
-def spare_holder(spare: str) -> str:
-    """The controller's id of a spare's process once it holds a rank (see controller.worker_holder)."""
-    return f"spare.{spare}"
+from hp.core.protocol import spare_id
 
 
 @dataclass

@@ -75,7 +75,7 @@ class Worker:
     tee: Std
     restarts: int = 0
     spare_id: str | None = None  # set while (and after) this process was started as a hot spare
-    holder: str = ""  # the controller's id of this process for its rank (see controller.worker_holder)
+    holder: str = ""  # the controller's id of this process for its rank (see protocol.worker_holder)
     heartbeat_file: str = ""  # touched by hp.checkpointless workers; silence means a hang
     exit: ExitStatus | None = None
     _ctx: PContext | None = field(default=None, repr=False)

@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 
 from hp.chaos.baselines import torchft_ddp
 from hp.checkpointless.events import read_events
+from hp.core.protocol import Event
 
 if TYPE_CHECKING:
     from hp.chaos.bench_recovery import BenchConfig
@@ -147,7 +148,7 @@ def run_job(cfg: BenchConfig, log_dir: str, fault_step: int) -> tuple[list[int],
 
 
 def _commits(events: list[dict], replica: int) -> dict[int, dict]:
-    return {e["step"]: e for e in events if e["event"] == "commit" and e["rank"] == replica}
+    return {e["step"]: e for e in events if e["event"] == Event.COMMIT and e["rank"] == replica}
 
 
 def median_step_time(commits: list[dict]) -> float | None:
@@ -158,7 +159,7 @@ def median_step_time(commits: list[dict]) -> float | None:
 
 def analyse(reference: list[dict], faulted: list[dict], cfg: BenchConfig) -> dict[str, Any]:
     """The figures of the module docstring, from the two jobs' event logs."""
-    fault = next((e for e in faulted if e["event"] == "fault_injected"), None)
+    fault = next((e for e in faulted if e["event"] == Event.FAULT_INJECTED), None)
     if fault is None:
         return {"error": "no fault was injected"}
     t0, f = fault["t"], cfg.fault_step
@@ -175,9 +176,9 @@ def analyse(reference: list[dict], faulted: list[dict], cfg: BenchConfig) -> dic
     def first(event: str) -> float | None:
         return next((e["t"] - t0 for e in again if e["event"] == event), None)
 
-    marks = {"detect_restart": first("started"), "process_start_import": first("imported"),
-             "data_attach": first("data_attached"), "model_build": first("model_ready"),
-             "manager_up": first("pg_ready"), "quorum_heal": first("restored")}
+    marks = {"detect_restart": first(Event.STARTED), "process_start_import": first(Event.IMPORTED),
+             "data_attach": first(Event.DATA_ATTACHED), "model_build": first(Event.MODEL_READY),
+             "manager_up": first(Event.PG_READY), "quorum_heal": first(Event.RESTORED)}
     phases, reached = {}, 0.0
     for name, mark in marks.items():
         if mark is not None:
@@ -187,14 +188,14 @@ def analyse(reference: list[dict], faulted: list[dict], cfg: BenchConfig) -> dic
     steps = range(cfg.steps)
     diverged = [s for s in steps if s not in got or s not in ref or got[s]["loss"] != ref[s]["loss"]
                 or got[s].get("weights") != ref[s].get("weights")]
-    restored = next((e["step"] for e in again if e["event"] == "restored"), None)
+    restored = next((e["step"] for e in again if e["event"] == Event.RESTORED), None)
     return {
         "downtime_s": back - step_time, "to_next_step_s": back, "step_time_s": step_time,
         "reference_step_time_s": ref_step_time,
         "rejoin_s": marks["quorum_heal"], "rejoin_phases": phases, "restored_step": restored,
         "rejoin_stall_s": max(0.0, *stalls) if stalls else None,
         "world_at_step_after_fault": got[f + 1].get("participants"),
-        "failed_steps": sum(1 for e in faulted if e["event"] == "step_failed" and e["rank"] == 0),
+        "failed_steps": sum(1 for e in faulted if e["event"] == Event.STEP_FAILED and e["rank"] == 0),
         "dropped_batches": sum(cfg.nproc - got[s]["participants"] for s in steps if s in got),
         "steps_run": max(got) + 1,
         "bitwise_equal": not diverged, "first_divergent_step": diverged[0] if diverged else None,

@@ -44,6 +44,7 @@ from datetime import timedelta
 from typing import Any
 
 from hp.chaos.baselines.torchrun_dcp import corpus_key, process_start_time
+from hp.core.protocol import Event
 
 MODULE = "hp.chaos.baselines.torchft_ddp"
 
@@ -107,18 +108,18 @@ def main(argv: list[str] | None = None) -> None:
     def record(event: str, **fields: Any) -> None:
         events.record(event, rank=replica, attempt=attempt, **fields)
 
-    record("started", at=started)
+    record(Event.STARTED, at=started)
     import torch
     import torch.nn.functional as F
     import torchft
     from hp.checkpointless.data import Batches, TokenCache, synthetic_corpus, tokenize
     from hp.checkpointless.demo.model import build_model
 
-    record("imported")
+    record(Event.IMPORTED)
     cache = TokenCache.open(corpus_key(args.corpus_mb, args.vocab, args.seed),
                             lambda: tokenize(synthetic_corpus(args.corpus_mb << 20, args.seed), args.vocab))
     batches = Batches(cache, args.seq, args.batch_size, args.seed)
-    record("data_attached")
+    record(Event.DATA_ATTACHED)
 
     torch.manual_seed(args.seed)  # every group builds identical weights: no step-0 sync needed
     model = build_model(args.model_size, args.vocab, args.seq, args.dropout)
@@ -132,9 +133,9 @@ def main(argv: list[str] | None = None) -> None:
         model.load_state_dict(state["model"])
         inner.load_state_dict(state["optim"])
         scheduler.load_state_dict(state["sched"])
-        record("restored", step=int(scheduler.last_epoch) - 1)
+        record(Event.RESTORED, step=int(scheduler.last_epoch) - 1)
 
-    record("model_ready")
+    record(Event.MODEL_READY)
 
     timeout = timedelta(seconds=args.timeout)
     manager = torchft.Manager(
@@ -142,7 +143,7 @@ def main(argv: list[str] | None = None) -> None:
         load_state_dict=load_state_dict, state_dict=state_dict, replica_id=f"hp_bench_{replica}",
         timeout=timeout, quorum_timeout=timeout, connect_timeout=timeout, init_sync=False)
     ddp = torchft.DistributedDataParallel(manager, model)
-    record("pg_ready")
+    record(Event.PG_READY)
     if attempt == 0:
         _start_barrier(os.path.join(args.log_dir, "ready"), replica, args.replicas, args.timeout)
 
@@ -158,18 +159,18 @@ def main(argv: list[str] | None = None) -> None:
         loss = F.cross_entropy(ddp(x).flatten(0, 1), y.flatten())
         loss.backward()  # gradients averaged over the quorum's participants
         if not manager.should_commit():  # every group of the quorum must be able to commit
-            record("step_failed", step=step, error=str(manager.errored())[:300])
+            record(Event.STEP_FAILED, step=step, error=str(manager.errored())[:300])
             continue
         inner.step()
         scheduler.step()
         done = manager.current_step() - 1  # a healing group jumps from 0 to its peers' step
         if manager.num_participants() != participants:
             participants = manager.num_participants()
-            record("quorum", step=done, participants=participants)
-        record("commit", step=done, loss=loss.detach().item().hex(), participants=participants,
+            record(Event.QUORUM, step=done, participants=participants)
+        record(Event.COMMIT, step=done, loss=loss.detach().item().hex(), participants=participants,
                weights=weight_sum(model))
         if attempt == 0 and replica == args.fault_replica and done == args.fault_step:
-            record("fault_injected", kind="kill", step=done)
+            record(Event.FAULT_INJECTED, kind="kill", step=done)
             os.kill(os.getpid(), signal.SIGKILL)
         if done + 1 >= args.steps:
             past_steps = past_steps or time.monotonic()

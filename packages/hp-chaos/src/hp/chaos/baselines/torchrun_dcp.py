@@ -27,6 +27,8 @@ import time
 from datetime import timedelta
 from typing import Any
 
+from hp.core.protocol import Event
+
 MODULE = "hp.chaos.baselines.torchrun_dcp"
 
 
@@ -88,7 +90,7 @@ def main(argv: list[str] | None = None) -> None:
     def record(event: str, **fields: Any) -> None:
         events.record(event, rank=rank, attempt=attempt, **fields)
 
-    record("started", at=started)
+    record(Event.STARTED, at=started)
     import torch
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
@@ -98,11 +100,11 @@ def main(argv: list[str] | None = None) -> None:
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    record("imported")
+    record(Event.IMPORTED)
     cache = TokenCache.open(corpus_key(args.corpus_mb, args.vocab, args.seed),
                             lambda: tokenize(synthetic_corpus(args.corpus_mb << 20, args.seed), args.vocab))
     batches = Batches(cache, args.seq, args.batch_size, args.seed)
-    record("data_attached")
+    record(Event.DATA_ATTACHED)
 
     # torchrun's static rendezvous keeps one TCPStore across restarts: a restarted attempt must not
     # read the dead attempt's keys, so the process group lives under a per-attempt prefix
@@ -110,13 +112,13 @@ def main(argv: list[str] | None = None) -> None:
                           timeout=timedelta(seconds=60))
     dist.init_process_group("gloo", store=dist.PrefixStore(f"attempt{attempt}", store), rank=rank,
                             world_size=world, timeout=timedelta(seconds=60))
-    record("pg_ready")
+    record(Event.PG_READY)
 
     torch.manual_seed(args.seed)
     model = DDP(build_model(args.model_size, args.vocab, args.seq, args.dropout))
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=args.steps)
-    record("model_ready")
+    record(Event.MODEL_READY)
 
     def app_state(step: int) -> dict[str, Any]:
         msd, osd = get_state_dict(model, optimizer)
@@ -132,7 +134,7 @@ def main(argv: list[str] | None = None) -> None:
         scheduler.load_state_dict(state["sched"])
         torch.set_rng_state(state["rng"])
         start = int(state["step"]) + 1
-    record("restored", step=start - 1, checkpoint=newest[1] if newest else None)
+    record(Event.RESTORED, step=start - 1, checkpoint=newest[1] if newest else None)
 
     step = start
     try:
@@ -143,16 +145,16 @@ def main(argv: list[str] | None = None) -> None:
             loss.backward()
             optimizer.step()
             scheduler.step()
-            record("commit", step=step, loss=loss.detach().item().hex())
+            record(Event.COMMIT, step=step, loss=loss.detach().item().hex())
             if step > 0 and step % args.ckpt_every == 0:
                 t0 = time.monotonic()
                 dcp.save(app_state(step), checkpoint_id=os.path.join(ckpt_dir, f"step{step:08d}"))
-                record("checkpoint_saved", step=step, duration_s=time.monotonic() - t0)
+                record(Event.CHECKPOINT_SAVED, step=step, duration_s=time.monotonic() - t0)
             if attempt == 0 and rank == args.fault_rank and step == args.fault_step:
-                record("fault_injected", kind="kill", step=step)
+                record(Event.FAULT_INJECTED, kind="kill", step=step)
                 os.kill(os.getpid(), signal.SIGKILL)
     except Exception as e:  # a peer died: gloo raises here; torchrun restarts the whole group anyway
-        record("failure_detected", step=step, error=f"{type(e).__name__}: {e}"[:300])
+        record(Event.FAILURE_DETECTED, step=step, error=f"{type(e).__name__}: {e}"[:300])
         raise
     # Leave without tearing torch down: destroying the DDP reducer's gloo group can deadlock (its
     # destructor joins a gloo thread while holding the GIL that thread needs, INFRA.md), and a hung

@@ -15,6 +15,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
+from hp.core.protocol import Event
+
 PHASES = ("forward", "backward", "allreduce", "commit", "optimizer", "hydration")
 TARGET_KINDS = ("rank", "node", "spare", "controller", "storage")
 _INDEXED = ("rank", "node", "spare")
@@ -144,7 +146,7 @@ class AtStep(Action):
 
     def record(self, job: LiveJob, **fields: Any) -> None:
         # the same event an in-process fault records, so hp's recovery timeline covers both
-        job.record("fault_injected", kind=self.spec.kind, phase=None, step=self.spec.at_step, rank=None,
+        job.record(Event.FAULT_INJECTED, kind=self.spec.kind, phase=None, step=self.spec.at_step, rank=None,
                    target=str(self.spec.target), fault=self.spec.index, **fields)
 
 

@@ -18,6 +18,7 @@ from hp.chaos.faults.base import (
     positive,
 )
 from hp.core.hookspecs import hookimpl
+from hp.core.protocol import Event
 
 
 class TopologyAt(AtStep):
@@ -35,7 +36,7 @@ class TopologyAt(AtStep):
 
         def undo() -> None:
             job.topology.heal()  # removes every partition and loss rule of the job's topology
-            job.record("fault_resumed", fault=self.spec.index)
+            job.record(Event.FAULT_RESUMED, fault=self.spec.index)
         return undo
 
 

@@ -14,6 +14,7 @@ from collections.abc import Callable
 
 from hp.chaos.faults.base import Action, AtStep, FaultKind, FaultSpec, Injection, JobShape, LiveJob, Param, positive
 from hp.core.hookspecs import hookimpl
+from hp.core.protocol import Event
 
 
 def _in_process(spec: FaultSpec, **extra) -> dict:
@@ -51,7 +52,7 @@ class SignalAt(AtStep):
 
         def undo() -> None:
             _signal(pid, signal.SIGCONT)
-            job.record("fault_resumed", fault=self.spec.index, pid=pid)
+            job.record(Event.FAULT_RESUMED, fault=self.spec.index, pid=pid)
         return undo
 
 
@@ -65,7 +66,7 @@ class ResumeHung(Action):
     def ready(self, job: LiveJob) -> bool:
         s = self.spec
         for e in job.events():
-            if (e["event"] == "fault_injected" and e.get("kind") == "hang" and e.get("rank") == s.target.index
+            if (e["event"] == Event.FAULT_INJECTED and e.get("kind") == "hang" and e.get("rank") == s.target.index
                     and e.get("step") == s.at_step and e.get("phase") == s.phase):
                 self._pid = e["pid"]
                 return True
@@ -76,7 +77,7 @@ class ResumeHung(Action):
 
         def undo() -> None:
             _signal(pid, signal.SIGCONT)
-            job.record("fault_resumed", fault=self.spec.index, pid=pid)
+            job.record(Event.FAULT_RESUMED, fault=self.spec.index, pid=pid)
         return undo
 
 

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 from hp.chaos.faults.base import AtStep, FaultKind, FaultSpec, Injection, JobShape, LiveJob, Param, positive
 from hp.core.hookspecs import hookimpl
+from hp.core.protocol import Event
 
 MODES = ("stop", "block")
 
@@ -116,7 +117,7 @@ class OutageAt(AtStep):
 
         def undo() -> None:
             outage.end()
-            job.record("fault_resumed", fault=self.spec.index)
+            job.record(Event.FAULT_RESUMED, fault=self.spec.index)
         return undo
 
 
