@@ -13,11 +13,13 @@ import importlib
 from typing import Any
 
 _EXPORTS = {
-    "CollectiveError": "hp.checkpointless.runtime", "Context": "hp.checkpointless.runtime",
-    "JobEnded": "hp.checkpointless.runtime", "Step": "hp.checkpointless.runtime",
+    "CollectiveError": "hp.checkpointless.recovery", "Context": "hp.checkpointless.runtime",
+    "JobEnded": "hp.checkpointless.recovery", "Step": "hp.checkpointless.runtime",
     "recoverable": "hp.checkpointless.runtime", "FaultPlan": "hp.checkpointless.faults",
     "InjectedFault": "hp.checkpointless.faults", "JobCheckpoint": "hp.checkpointless.ladder",
-    "ShardLost": "hp.checkpointless.sharded",
+    "ShardLost": "hp.checkpointless.sharded", "RankState": "hp.checkpointless.recovery",
+    "RecoveryMachine": "hp.checkpointless.recovery", "StepSampler": "hp.checkpointless.sampler",
+    "StepLoader": "hp.checkpointless.sampler", "TrainingState": "hp.checkpointless.registry",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -232,13 +232,35 @@ class TokenCache:
 
 
 # ---------------------------------------------------------------- deterministic batches
-class Batches:
-    """Windows of seq+1 tokens, each used exactly once per epoch, assigned by global position.
+class EpochOrder:
+    """The sample at global position g: epoch = g // n, index = perm(seed, epoch)[g % n]. Every sample is
+    used exactly once per epoch and nothing depends on history, so any process can produce the samples
+    of any step (a replay after a failed commit, a resume after a restart, a spare taking a rank)."""
 
-    Position g = step * world * batch_per_rank + rank * batch_per_rank + j, epoch = g // n_windows,
-    window = perm(seed, epoch)[g % n_windows]. Nothing depends on history, so any process can produce
-    the batch of any step (replay after a failed commit, resume after restart, a spare taking a rank).
-    """
+    def __init__(self, n: int, seed: int, shuffle: bool = True) -> None:
+        if n < 1:
+            raise ValueError("nothing to draw from: 0 samples")
+        self.n, self.seed, self.shuffle = n, seed, shuffle
+        self._perms: dict[int, np.ndarray] = {}
+
+    def _perm(self, epoch: int) -> np.ndarray:
+        """Per-epoch permutation seeded by (seed, epoch); a couple are memoised (pure, so caching is safe)."""
+        if epoch not in self._perms:
+            if len(self._perms) >= 4:
+                self._perms.pop(next(iter(self._perms)))  # oldest first
+            self._perms[epoch] = np.random.default_rng([self.seed, epoch]).permutation(self.n)
+        return self._perms[epoch]
+
+    def indices(self, start: int, count: int) -> list[int]:
+        """Sample indices at global positions ``start .. start + count - 1``."""
+        if not self.shuffle:
+            return [g % self.n for g in range(start, start + count)]
+        return [int(self._perm(g // self.n)[g % self.n]) for g in range(start, start + count)]
+
+
+class Batches:
+    """Windows of seq+1 tokens of a :class:`TokenCache`, in :class:`EpochOrder`: rank r's batch of step s
+    holds positions s * world * batch_per_rank + r * batch_per_rank + j."""
 
     def __init__(self, cache: TokenCache, seq: int, batch_per_rank: int, seed: int) -> None:
         if seq < 1 or batch_per_rank < 1:
@@ -247,23 +269,13 @@ class Batches:
         self.n_windows = len(cache.tokens) // (seq + 1)
         if self.n_windows == 0:
             raise ValueError(f"{cache.path}: {len(cache.tokens)} tokens hold no window of {seq + 1}")
-        self._perms: dict[int, np.ndarray] = {}
-
-    def _perm(self, epoch: int) -> np.ndarray:
-        """Per-epoch permutation seeded by (seed, epoch); a couple are memoised (pure, so caching is safe)."""
-        if epoch not in self._perms:
-            if len(self._perms) >= 4:
-                self._perms.pop(next(iter(self._perms)))  # oldest first
-            self._perms[epoch] = np.random.default_rng([self.seed, epoch]).permutation(self.n_windows)
-        return self._perms[epoch]
+        self._order = EpochOrder(self.n_windows, seed)
 
     def windows_for(self, step: int, rank: int, world: int) -> list[int]:
         """Window indices of (step, rank, world), in batch order."""
         if not 0 <= rank < world or step < 0:
             raise ValueError(f"bad step/rank/world {step}/{rank}/{world}")
-        start = step * world * self.batch_per_rank + rank * self.batch_per_rank
-        return [int(self._perm(g // self.n_windows)[g % self.n_windows])
-                for g in range(start, start + self.batch_per_rank)]
+        return self._order.indices(step * world * self.batch_per_rank + rank * self.batch_per_rank, self.batch_per_rank)
 
     def get(self, step: int, rank: int, world: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(inputs, targets), int64 [batch_per_rank, seq]; only the selected windows' pages are read."""

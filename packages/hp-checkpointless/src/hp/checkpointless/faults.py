@@ -66,6 +66,10 @@ class FaultPlan:
         original = env.get("HP_ROLE", "worker") == "worker" and env.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
         return cls(faults, armed=original)
 
+    def disarm(self) -> None:
+        """A promoted spare never injects: its rank's faults belonged to the process it replaces."""
+        self.armed = False
+
     def fire(self, step: int, phase: str, rank: int, record: Callable[[Fault], None]) -> None:
         """Inject the fault planned for (step, phase, rank), if any; ``record`` is called first."""
         if not self.armed:

@@ -9,92 +9,72 @@ replicated again. Every transfer is one checksummed flat buffer (:mod:`hp.checkp
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-import torch
+from collections.abc import Callable
+from dataclasses import dataclass
 
 from hp.checkpointless import sharded, state
-from hp.checkpointless.rng import capture_rng, restore_rng
+from hp.checkpointless.events import EventLog
+from hp.checkpointless.registry import TrainingState
+from hp.checkpointless.transaction import StepTransaction
+from hp.core.protocol import Event
 
-if TYPE_CHECKING:
-    from hp.checkpointless.runtime import Context
+
+@dataclass(frozen=True)
+class Agreement:
+    """What the ranks of a new generation agreed on (the same on every rank)."""
+
+    generation: int
+    newest: int  # the newest committed step any rank holds
+    source: int  # the lowest rank at ``newest``
+    behind: list[int]  # ranks below ``newest``
+    versions: sharded.Versions
 
 
-def replicated(ctx: Context, behind: list[int], source: int, newest: int, generation: int) -> None:
+def replicated(st: TrainingState, a: Agreement, rank: int, events: EventLog) -> None:
     """Replicated state: the ranks behind pull everything from the source."""
-    if behind:
-        ctx._phase(newest, "hydration")
-    for r in behind:
-        if ctx._rank == source:
-            state.send_state(ctx._capture(), r)
-        elif ctx._rank == r:
+    for r in a.behind:
+        if rank == a.source:
+            state.send_state(st.capture(), r)
+        elif rank == r:
             # in place into our own tensors when the layouts match; a fresh process's optimizer
             # has no state yet, so it receives into a new buffer the optimizer then keeps
-            has_state = ctx._optimizer is None or bool(ctx._optimizer.state)
-            received = state.recv_state(source, template=ctx._capture() if has_state else None,
-                                        buffer=None if has_state else ctx._receive_buffer)
-            ctx._receive_buffer = None  # the optimizer now owns those bytes: never receive into them again
-            extra = state.restore(received, ctx._model, ctx._optimizer, ctx._scheduler)
-            if ctx._extra is not None and extra:
-                ctx._extra.load_state_dict(extra)
-            _hydrated(ctx, newest, source, generation)
+            has_state = st.optimizer is None or bool(st.optimizer.state)
+            received = state.recv_state(a.source, template=st.capture() if has_state else None,
+                                        buffer=None if has_state else st.receive_buffer)
+            st.receive_buffer = None  # the optimizer now owns those bytes: never receive into them again
+            st.restore(received)
+            _hydrated(st, a, rank, events)
 
 
-def sharded_optimizer(ctx: Context, v: sharded.Versions, behind: list[int], source: int, newest: int,
-                      generation: int) -> None:
+def sharded_optimizer(st: TrainingState, tx: StepTransaction, a: Agreement, rank: int,
+                      collective: Callable, events: EventLog) -> None:
     """Sharded optimizer: shards come from buddies (rolled forward where one step old), the
     replicated rest from the source, partitions from their owners; then shards are re-replicated."""
-    sh = ctx._sharded
+    sh, v, newest = st.sharded, a.versions, a.newest
     rebuild = sharded.plan_shard_sources(v, newest)  # ShardLost: the same verdict on every rank
-    if behind:
-        ctx._phase(newest, "hydration")
-    if sharded.own_roll_forward_needed(v, ctx._rank, newest):  # missed the vote of `newest` only
-        params = [p for p in ctx._model.parameters() if p.requires_grad]
-        ctx._unflatten_grads(params, ctx._grads)
+    if sharded.own_roll_forward_needed(v, rank, newest):  # missed the vote of `newest` only
+        tx.load_grads()
         sh.local_step(newest)
-        ctx._optimizer.zero_grad(set_to_none=False)
-        ctx.events.record("shard_rebuilt", rank=ctx._rank, step=newest, buddy=None, rolled_forward=True,
-                          generation=generation)
+        st.optimizer.zero_grad(set_to_none=False)
+        events.record(Event.SHARD_REBUILT, rank=rank, step=newest, buddy=None, rolled_forward=True,
+                      generation=a.generation)
     for r, buddy in sorted(rebuild.items()):
-        if ctx._rank == buddy:
-            sh.send_for_replacement(r, v, newest, ctx._grads if ctx._grads_step == newest else None)
-        elif ctx._rank == r:
+        if rank == buddy:
+            sh.send_for_replacement(r, v, newest, tx.grads if tx.grads_step == newest else None)
+        elif rank == r:
             rolled = sh.receive_as_replacement(buddy, newest)
-            ctx.events.record("shard_rebuilt", rank=r, step=newest, buddy=buddy, rolled_forward=rolled,
-                              generation=generation)
-    for r in behind:
-        if ctx._rank == source:
-            state.send_state(_replicated_state(ctx), r)
-        elif ctx._rank == r:
-            _load_replicated_state(ctx, state.recv_state(source))
-            _hydrated(ctx, newest, source, generation)
-    ctx._collective(sh.sync_params)
-    sh.replicate(ctx._rank, ctx._collective)
+            events.record(Event.SHARD_REBUILT, rank=r, step=newest, buddy=buddy, rolled_forward=rolled,
+                          generation=a.generation)
+    for r in a.behind:
+        if rank == a.source:
+            state.send_state(st.replicated_part(), r)
+        elif rank == r:
+            st.load_replicated_part(state.recv_state(a.source))
+            _hydrated(st, a, rank, events)
+    collective(sh.sync_params)
+    sh.replicate(rank, collective)
 
 
-def _replicated_state(ctx: Context) -> dict:
-    """What is the same on every rank of a sharded job (partitions and shards travel separately)."""
-    return {"buffers": dict(ctx._model.named_buffers()), "rng": capture_rng(),
-            "hyper": sharded.hyper(ctx._optimizer.param_groups),
-            "scheduler": ctx._scheduler.state_dict() if ctx._scheduler is not None else None,
-            "extra": ctx._extra.state_dict() if ctx._extra is not None else None}
-
-
-def _load_replicated_state(ctx: Context, received: dict) -> None:
-    buffers = dict(ctx._model.named_buffers())
-    if set(buffers) != set(received["buffers"]):
-        raise state.StateTransferError("the source's model buffers differ from this model's")
-    with torch.no_grad():
-        for name, buf in received["buffers"].items():
-            buffers[name].copy_(buf)
-    sharded.set_hyper(ctx._optimizer.param_groups, received["hyper"])
-    if ctx._scheduler is not None:
-        ctx._scheduler.load_state_dict(received["scheduler"])
-    if ctx._extra is not None and received["extra"]:
-        ctx._extra.load_state_dict(received["extra"])
-    restore_rng(received["rng"])
-
-
-def _hydrated(ctx: Context, newest: int, source: int, generation: int) -> None:
-    ctx.committed, ctx._rng = newest, capture_rng()
-    ctx.events.record("hydrated", rank=ctx._rank, step=newest, source=source, generation=generation)
+def _hydrated(st: TrainingState, a: Agreement, rank: int, events: EventLog) -> None:
+    st.mark_committed(a.newest)
+    events.record(Event.HYDRATED, rank=rank, step=a.newest, source=a.source, generation=a.generation)

@@ -14,14 +14,18 @@ writes (DCP stores it once); RNG states and a sharded optimizer's shard are one 
 from __future__ import annotations
 
 import json
+import sys
 from typing import TYPE_CHECKING, Protocol
 
 import torch
+from torch.distributed.checkpoint.api import CheckpointException
 
 from hp.checkpointless import state
+from hp.checkpointless.events import EventLog
+from hp.core.protocol import Event
 
 if TYPE_CHECKING:
-    from hp.checkpointless.runtime import Context
+    from hp.checkpointless.registry import TrainingState
 
 
 class JobCheckpoint(Protocol):
@@ -38,36 +42,48 @@ class JobCheckpoint(Protocol):
         ``(step, tier it came from)``, or None when there is no checkpoint."""
 
 
-def _parts(ctx: Context) -> dict[str, dict]:
+def _parts(st: TrainingState, rank: int) -> dict[str, dict]:
     """The replicated state (identical on every rank, so one key) and this rank's own: its RNG
     states (a job may seed ranks differently) and its optimizer shard."""
-    if ctx._sharded is None:
-        replicated = ctx._capture()
+    if st.sharded is None:
+        replicated = st.capture()
         own = {"rng": replicated.pop("rng")}
     else:
-        from hp.checkpointless.hydration import _replicated_state
-
-        replicated = {**_replicated_state(ctx), "model": dict(ctx._model.state_dict())}
-        own = {"rng": replicated.pop("rng"), "shard": ctx._sharded.shard()}
-    return {"hp.state": replicated, f"hp.rank{ctx._rank}": own}
+        replicated = {**st.replicated_part(), "model": dict(st.model.state_dict())}
+        own = {"rng": replicated.pop("rng"), "shard": st.sharded.shard()}
+    return {"hp.state": replicated, f"hp.rank{rank}": own}
 
 
-def save(ctx: Context, step: int) -> None:
+def save(st: TrainingState, rank: int, step: int) -> None:
     out: dict[str, torch.Tensor] = {}
-    for key, part in _parts(ctx).items():
+    for key, part in _parts(st, rank).items():
         skeleton, tensors = state.flatten(part)
         meta = torch.frombuffer(bytearray(json.dumps(skeleton, separators=(",", ":")).encode()), dtype=torch.uint8)
         flat = state.StateBuffer(skeleton).pack(tensors)
         out.update({f"{key}.sizes": torch.tensor([meta.numel(), flat.numel()]), f"{key}.json": meta,
                     f"{key}.data": flat})
-    ctx._checkpoint.save(out, step)
+    st.checkpoint.save(out, step)
 
 
-def restore(ctx: Context) -> tuple[int, str] | None:
+def save_or_warn(st: TrainingState, rank: int, step: int, events: EventLog) -> None:
+    """After a commit, when due. A failed save costs that checkpoint, never the training: storage
+    trouble is not a peer failure, and a peer that died in DCP's collectives is caught by the next
+    step's (the watch thread has seen the new generation by then)."""
+    try:
+        save(st, rank, step)
+        return
+    except (Exception, CheckpointException) as e:  # CheckpointException is a BaseException
+        error = f"{type(e).__name__}: {str(e)[:300]}"
+    events.record(Event.CHECKPOINT_FAILED, rank=rank, step=step, error=error)
+    if rank == 0:
+        print(f"hp: warning: checkpoint of step {step} failed, training goes on: {error}", file=sys.stderr, flush=True)
+
+
+def restore(st: TrainingState, rank: int) -> tuple[int, str] | None:
     """Load the newest checkpoint into every registered object; returns (step, tier) or None."""
-    keys = list(_parts(ctx))
+    keys = list(_parts(st, rank))
     sizes = {f"{k}.sizes": torch.zeros(2, dtype=torch.int64) for k in keys}
-    found = ctx._checkpoint.load(sizes)
+    found = st.checkpoint.load(sizes)
     if found is None:
         return None
     step, _ = found
@@ -76,22 +92,18 @@ def restore(ctx: Context) -> tuple[int, str] | None:
         json_len, nbytes = sizes[f"{k}.sizes"].tolist()
         bufs[f"{k}.json"] = torch.zeros(json_len, dtype=torch.uint8)
         bufs[f"{k}.data"] = torch.zeros(nbytes, dtype=torch.uint8)
-    step, tier = ctx._checkpoint.load(bufs, step)
+    step, tier = st.checkpoint.load(bufs, step)
     parts = {}
     for k in keys:
         skeleton = json.loads(bufs[f"{k}.json"].numpy().tobytes())
         buffer = state.StateBuffer(skeleton, bufs[f"{k}.data"])
         parts[k] = state.unflatten(skeleton, buffer.unpack())  # views: the loaded buffer is never reused
-    own = parts[f"hp.rank{ctx._rank}"]
+    own = parts[f"hp.rank{rank}"]
     replicated = {**parts["hp.state"], "rng": own["rng"]}
-    if ctx._sharded is None:
-        extra = state.restore(replicated, ctx._model, ctx._optimizer, ctx._scheduler)
-        if ctx._extra is not None and extra:
-            ctx._extra.load_state_dict(extra)
+    if st.sharded is None:
+        st.restore(replicated)
     else:
-        from hp.checkpointless.hydration import _load_replicated_state
-
-        ctx._model.load_state_dict(replicated["model"])
-        _load_replicated_state(ctx, replicated)
-        ctx._sharded.load_shard(own["shard"])
+        st.model.load_state_dict(replicated["model"])
+        st.load_replicated_part(replicated)
+        st.sharded.load_shard(own["shard"])
     return step, tier

@@ -109,7 +109,7 @@ class ShardedOptimizer:
         longest = max(sum(p.numel() for p in ps) for ps in parts)
         dtype = parts[rank][0].dtype if parts[rank] else next(p for ps in parts for p in ps).dtype
         if self._gather is None or self._gather.shape != (world, longest) or self._gather.dtype != dtype:
-            # kept referenced between steps: see runtime._release_pg
+            # kept referenced between steps: see group.py
             self._gather, self._gather_in = torch.zeros(world, longest, dtype=dtype), torch.zeros(longest, dtype=dtype)
             self._gather_rows = list(self._gather.unbind(0))
         offset = 0

@@ -334,7 +334,7 @@ def broadcast_state(state: Mapping[str, Any] | None, src: int, group: Any = None
 
 
 def capture(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
-            scheduler: Any = None, extra: dict | None = None) -> dict:
+            scheduler: Any = None, extra: dict | None = None, scaler: Any = None) -> dict:
     """Everything a replacement needs to continue bit-identically. Model/optimizer tensors are the live
     ones (not copies), so the result is a valid `template` for an in-place `recv_state`."""
     sd = model.state_dict()
@@ -345,16 +345,18 @@ def capture(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = No
         state["optimizer"] = optimizer.state_dict()
     if scheduler is not None:
         state["scheduler"] = scheduler.state_dict()
+    if scaler is not None:  # torch.amp.GradScaler: floats and ints only
+        state["scaler"] = scaler.state_dict()
     return state
 
 
 def restore(state: Mapping[str, Any], model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
-            scheduler: Any = None) -> dict:
+            scheduler: Any = None, scaler: Any = None) -> dict:
     """Load a `capture`d state (e.g. from `recv_state`) into live objects; returns its `extra`."""
     sd = OrderedDict(state["model"])
     sd._metadata = OrderedDict(state.get("model_meta", {}))  # type: ignore[attr-defined]
     model.load_state_dict(sd)
-    for obj, key in ((optimizer, "optimizer"), (scheduler, "scheduler")):
+    for obj, key in ((optimizer, "optimizer"), (scheduler, "scheduler"), (scaler, "scaler")):
         if obj is not None:
             if key not in state:
                 raise KeyError(f"state has no {key!r} to restore")

@@ -1,0 +1,129 @@
+"""The training state a job registers with hp, and its last committed snapshot.
+
+What hydration (:mod:`hp.checkpointless.hydration`), the job-level rung (:mod:`hp.checkpointless.ladder`)
+and, later, elastic resharding take: the model, optimizer (or its factory), scheduler, AMP grad scaler,
+extra state, the optional checkpoint store, and what a replayed step rolls back to: the RNG states and
+the model's buffers as of the last committed step (a failed step's forward already updated BatchNorm's
+running statistics; the replay must start from the committed ones).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.distributed.optim import ZeroRedundancyOptimizer
+
+from hp.checkpointless import sharded, state
+from hp.checkpointless.rng import capture_rng, restore_rng
+from hp.core.errors import UsageError
+
+
+class TrainingState:
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | Callable | None = None,
+                 scheduler: Any = None, extra: Any = None, checkpoint: Any = None, scaler: Any = None,
+                 broadcast_buffers: bool = True) -> None:
+        self.factories: tuple[Callable, Callable | None] | None = None  # built once a group exists
+        if callable(optimizer) and not isinstance(optimizer, torch.optim.Optimizer):
+            self.factories, optimizer, scheduler = (optimizer, scheduler), None, None
+            # the first optimizer a process builds pays torch's lazy imports (torch._dynamo, ~1 s, 4 s
+            # under load): pay them now, not while a spare is being promoted
+            torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.0)
+        elif callable(scheduler) and not hasattr(scheduler, "state_dict"):
+            raise UsageError("a scheduler factory needs an optimizer factory: pass optimizer=lambda params: ...")
+        if isinstance(optimizer, ZeroRedundancyOptimizer):
+            raise UsageError("pass a ZeroRedundancyOptimizer as a factory (optimizer=lambda params: "
+                             "ZeroRedundancyOptimizer(params, ...)): hp builds it once the process group exists")
+        if scaler is not None and not all(hasattr(scaler, a) for a in ("unscale_", "step", "update", "state_dict")):
+            raise UsageError(f"scaler must be a torch.amp.GradScaler, got {type(scaler).__name__}")
+        self.model, self.optimizer, self.scheduler = model, optimizer, scheduler
+        self.extra, self.checkpoint, self.scaler = extra, checkpoint, scaler
+        self.broadcast_buffers = broadcast_buffers
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.sharded: sharded.ShardedOptimizer | None = None
+        self.committed = -1  # last committed step
+        self.receive_buffer: state.StateBuffer | None = None  # a spare's pre-faulted hydration buffer
+        self._buffers = [b for _, b in model.named_buffers()]
+        self._snapshot = state.StateBuffer(state.flatten(self._buffers)[0]) if self._buffers else None
+        self.mark_committed(-1)
+
+    def build_optimizer(self) -> None:
+        """Call the registered factories (once this process is in a process group)."""
+        make_optimizer, make_scheduler = self.factories
+        self.factories = None
+        self.optimizer = make_optimizer(list(self.model.parameters()))
+        self.scheduler = make_scheduler(self.optimizer) if make_scheduler is not None else None
+        if isinstance(self.optimizer, ZeroRedundancyOptimizer):
+            if self.scaler is not None:
+                raise UsageError("a GradScaler with a ZeroRedundancyOptimizer is not supported yet")
+            self.sharded = sharded.ShardedOptimizer(self.optimizer, self.params)
+
+    # ---- the committed snapshot -------------------------------------------------------------
+    def mark_committed(self, step: int) -> None:
+        """``step`` is committed: what a later failed step rolls back to is taken now."""
+        self.committed, self.rng = step, capture_rng()
+        if self._snapshot is not None:
+            self._snapshot.pack(self._buffers)
+
+    def rollback(self) -> None:
+        """Undo what a failed step did before its vote: RNG draws, buffer updates, gradients."""
+        restore_rng(self.rng)
+        if self._snapshot is not None:
+            with torch.no_grad():
+                for buf, saved in zip(self._buffers, self._snapshot.unpack()):
+                    buf.copy_(saved)
+        if self.optimizer is not None:
+            self.optimizer.zero_grad(set_to_none=False)
+
+    # ---- what travels to a replacement ------------------------------------------------------
+    def capture(self) -> dict:
+        """The whole replicated state (live tensors: also a receive template)."""
+        extra = self.extra.state_dict() if self.extra is not None else None
+        return state.capture(self.model, self.optimizer, self.scheduler, extra=extra, scaler=self.scaler)
+
+    def restore(self, received: dict) -> None:
+        extra = state.restore(received, self.model, self.optimizer, self.scheduler, scaler=self.scaler)
+        if self.extra is not None and extra:
+            self.extra.load_state_dict(extra)
+
+    def replicated_part(self) -> dict:
+        """With a sharded optimizer: what is the same on every rank (partitions and shards travel apart)."""
+        return {"buffers": dict(self.model.named_buffers()), "rng": capture_rng(),
+                "hyper": sharded.hyper(self.optimizer.param_groups),
+                "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
+                "extra": self.extra.state_dict() if self.extra is not None else None}
+
+    def load_replicated_part(self, received: dict) -> None:
+        buffers = dict(self.model.named_buffers())
+        if set(buffers) != set(received["buffers"]):
+            raise state.StateTransferError("the source's model buffers differ from this model's")
+        with torch.no_grad():
+            for name, buf in received["buffers"].items():
+                buffers[name].copy_(buf)
+        sharded.set_hyper(self.optimizer.param_groups, received["hyper"])
+        if self.scheduler is not None:
+            self.scheduler.load_state_dict(received["scheduler"])
+        if self.extra is not None and received["extra"]:
+            self.extra.load_state_dict(received["extra"])
+        restore_rng(received["rng"])
+
+    # ---- comparison ---------------------------------------------------------------------------
+    def digests(self) -> dict[str, str | None]:
+        """SHA-256 of the exact bytes of each part of the state (``final_state`` events, ``hp demo``)."""
+        optimizer = self.sharded.zero.optim if self.sharded is not None else self.optimizer  # a shard: this rank's
+        parts = {"params": dict(self.model.named_parameters()), "buffers": dict(self.model.named_buffers()),
+                 "optimizer": optimizer.state_dict() if optimizer is not None else None,
+                 "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
+                 "scaler": self.scaler.state_dict() if self.scaler is not None else None}
+        return {name: None if part is None else digest(part) for name, part in parts.items()}
+
+
+def digest(obj: Any) -> str:
+    skeleton, tensors = state.flatten(obj)
+    h = hashlib.sha256(json.dumps(skeleton, sort_keys=True).encode())
+    for t in tensors:
+        h.update(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()

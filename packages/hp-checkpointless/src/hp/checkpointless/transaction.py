@@ -1,0 +1,154 @@
+"""The step transaction: gradient reduction → (the user's clipping) → commit vote → local update.
+
+``reduce`` averages the gradients across ranks in ONE collective over a flat buffer, and the
+parameters' ``.grad`` are views into that buffer (as DDP's ``gradient_as_bucket_view``): backward
+accumulates straight into it, clipping and AMP unscaling act on it in place, and the sharded
+optimizer's roll-forward finds there exactly the gradients the update used. With
+``broadcast_buffers`` (the default, as in DDP) rank 0's buffers (BatchNorm running statistics) go to
+every rank in the same phase. With a registered ``torch.amp.GradScaler`` the averaged gradients are
+unscaled, and whether they hold an inf/NaN travels in the vote, so every rank skips the same steps.
+
+``vote`` is the commit point: one small all-reduce that every rank must enter. Everything a failure
+before it did is rolled back by :meth:`hp.checkpointless.registry.TrainingState.rollback` (and
+:meth:`StepTransaction.abort`); ``apply`` after it is local and cannot be stopped by a peer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from hp.checkpointless import state
+from hp.checkpointless.recovery import CollectiveError
+from hp.checkpointless.registry import TrainingState
+
+Collective = Callable[..., None]
+
+
+class StepTransaction:
+    def __init__(self, training: TrainingState, collective: Collective) -> None:
+        self._st, self._collective = training, collective
+        self.grads: torch.Tensor | None = None  # one flat buffer, allocated once (kept: see group.py)
+        self.grads_step = -1  # the step whose averaged gradients `grads` holds
+        self._views: list[torch.Tensor | None] = []  # per parameter: its slice of `grads` (None: other dtype)
+        self._vote = torch.zeros(3, dtype=torch.float64)  # [ranks voting, loss sum, ranks that saw inf/NaN]
+        self._bcast: state.StateBuffer | None = None
+        self._found_inf = False
+        self._unscaled = False
+
+    # ---- before the vote ----------------------------------------------------------------------
+    def reduce(self, step: int, world_size: int) -> None:
+        """Average gradients (and with a scaler unscale them), broadcast rank 0's buffers."""
+        grads = self._gather()
+        self.grads_step = -1
+        self._collective(dist.all_reduce, grads)
+        grads.div_(world_size)
+        self.grads_step = step
+        self._scatter_other_dtypes()
+        if self._st.broadcast_buffers and world_size > 1:
+            self._broadcast_buffers()
+        scaler = self._st.scaler
+        if scaler is not None and scaler.is_enabled():
+            scaler.unscale_(self._st.optimizer)  # in place on the views; decides nothing yet: the vote does
+            self._unscaled = True
+            self._found_inf = not bool(torch.isfinite(grads).all())
+
+    def vote(self, step: int, loss: float, world_size: int) -> tuple[float, bool]:
+        """Every rank's yes; returns (global mean loss, skip: some gradient was inf/NaN)."""
+        vote = self._vote
+        vote[0], vote[1], vote[2] = 1.0, loss, float(self._found_inf)
+        self._collective(dist.all_reduce, vote)
+        if int(vote[0]) != world_size:
+            raise CollectiveError(f"commit vote of step {step}: {int(vote[0])}/{world_size}")
+        infs = int(vote[2])
+        if infs not in (0, world_size):  # averaged gradients are the same bits everywhere: a bug if not
+            raise RuntimeError(f"step {step}: {infs} of {world_size} ranks found inf/NaN in the same gradients")
+        return float(vote[1]) / world_size, infs > 0
+
+    # ---- after the vote (local) -------------------------------------------------------------
+    def apply(self, step: int, skip: bool) -> None:
+        """The committed step's local update; ``skip``: the scaler's inf/NaN verdict, taken by every rank."""
+        st = self._st
+        if st.scaler is not None and self._unscaled:
+            if not skip:
+                self._optimizer_step(step, lambda: st.scaler.step(st.optimizer))
+            st.scaler.update()  # backs the scale off after a skipped step, grows it after enough good ones
+        elif not skip:
+            self._optimizer_step(step, st.optimizer.step if st.optimizer is not None else None)
+        self._unscaled = self._found_inf = False
+        if st.optimizer is not None:
+            st.optimizer.zero_grad(set_to_none=False)
+        if st.scheduler is not None:
+            st.scheduler.step()
+
+    def _optimizer_step(self, step: int, plain: Callable[[], Any] | None) -> None:
+        if self._st.sharded is not None:
+            self._st.sharded.local_step(step)
+        elif plain is not None:
+            plain()
+
+    def abort(self) -> None:
+        """A failure before the vote: forget the step's unscale (its gradients are zeroed by the rollback)."""
+        if self._unscaled:  # update(new_scale=same) is torch's public way to reset a scaler's per-step state
+            self._st.scaler.update(new_scale=self._st.scaler.get_scale())
+        self._unscaled = self._found_inf = False
+
+    # ---- the flat gradient buffer -----------------------------------------------------------
+    def _gather(self) -> torch.Tensor:
+        params = self._st.params
+        if self.grads is None:
+            self.grads = torch.zeros(sum(p.numel() for p in params), dtype=params[0].dtype)
+            offset = 0
+            for p in params:
+                view = self.grads[offset:offset + p.numel()].view_as(p)
+                self._views.append(view if p.dtype == self.grads.dtype and p.is_contiguous() else None)
+                offset += p.numel()
+        offset = 0
+        for p, view in zip(params, self._views):
+            n = p.numel()
+            if view is None:
+                target = self.grads[offset:offset + n]
+                target.copy_(p.grad.reshape(-1)) if p.grad is not None else target.zero_()
+            elif p.grad is None:
+                view.zero_()
+                p.grad = view
+            elif p.grad.data_ptr() != view.data_ptr():  # a new tensor (e.g. after zero_grad(set_to_none=True))
+                view.copy_(p.grad)
+                p.grad = view
+            offset += n
+        return self.grads
+
+    def _scatter_other_dtypes(self) -> None:
+        offset = 0
+        for p, view in zip(self._st.params, self._views):
+            if view is None:
+                flat = self.grads[offset:offset + p.numel()].view(p.shape)
+                if p.grad is None:
+                    p.grad = flat.to(p.dtype)
+                else:
+                    p.grad.copy_(flat)
+            offset += p.numel()
+
+    def load_grads(self) -> None:
+        """Put the averaged gradients of ``grads_step`` back into ``.grad`` (a sharded roll-forward)."""
+        for p, view in zip(self._st.params, self._views):
+            if view is not None:
+                p.grad = view
+        self._scatter_other_dtypes()
+
+    def _broadcast_buffers(self) -> None:
+        """Rank 0's buffers to every rank: packed into one flat uint8 buffer (any dtype), one broadcast."""
+        buffers = [b for _, b in self._st.model.named_buffers()]
+        if not buffers:
+            return
+        if self._bcast is None:
+            self._bcast = state.StateBuffer(state.flatten(buffers)[0])
+        flat = self._bcast.pack(buffers)
+        self._collective(dist.broadcast, flat, 0)
+        if dist.get_rank() != 0:
+            with torch.no_grad():
+                for buf, got in zip(buffers, self._bcast.unpack()):
+                    buf.copy_(got)
