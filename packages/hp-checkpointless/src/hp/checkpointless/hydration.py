@@ -55,7 +55,6 @@ def sharded_optimizer(st: TrainingState, tx: StepTransaction, a: Agreement, rank
     if sharded.own_roll_forward_needed(v, rank, newest):  # missed the vote of `newest` only
         tx.load_grads()
         sh.local_step(newest)
-        st.optimizer.zero_grad(set_to_none=False)
         events.record(Event.SHARD_REBUILT, rank=rank, step=newest, buddy=None, rolled_forward=True,
                       generation=a.generation)
     for r, buddy in sorted(rebuild.items()):

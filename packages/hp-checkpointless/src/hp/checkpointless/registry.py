@@ -69,14 +69,13 @@ class TrainingState:
             self._snapshot.pack(self._buffers)
 
     def rollback(self) -> None:
-        """Undo what a failed step did before its vote: RNG draws, buffer updates, gradients."""
+        """Undo what a failed step did before its vote: RNG draws, buffer updates (its gradients are
+        zeroed when the replay begins: see StepTransaction.begin)."""
         restore_rng(self.rng)
         if self._snapshot is not None:
             with torch.no_grad():
                 for buf, saved in zip(self._buffers, self._snapshot.unpack()):
                     buf.copy_(saved)
-        if self.optimizer is not None:
-            self.optimizer.zero_grad(set_to_none=False)
 
     # ---- what travels to a replacement ------------------------------------------------------
     def capture(self) -> dict:

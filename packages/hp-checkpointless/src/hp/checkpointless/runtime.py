@@ -172,6 +172,7 @@ class Context:
                 step = self._step = Step(st.committed + 1, self)
                 self._step_done = False
                 self._machine.to(RankState.COMPUTING)
+                self._tx.begin()
                 try:
                     self._phase(step, "forward")
                 except Exception as exc:  # an injected fault: the step failed before the user's code ran

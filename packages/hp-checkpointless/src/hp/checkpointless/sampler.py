@@ -93,13 +93,15 @@ class StepLoader:
             raise UsageError(f"StepLoader chooses {', '.join(owned)} itself (from its StepSampler): do not pass them")
         self.dataset, self.sampler, self._kwargs = dataset, sampler, loader_kwargs
         self._iterator: Iterator | None = None
-        self._next: tuple[int, int, int] | None = None  # (step, rank, world) the iterator yields next
+        self._next: tuple[int, int, int] | None = None  # the (step, rank, world) whose start the iterator is at
+        self._current: tuple[int, int, int] | None = None  # the step being consumed (None: at a step start)
 
     def step(self, step: int, rank: int, world: int) -> MicroBatches:
         """This rank's micro-batches of ``step`` (``len()`` of them), in order."""
         count = len(self.sampler.owned(step, rank, world))
-        if self._next != (step, rank, world):
+        if self._next != (step, rank, world):  # a replay, or a step left unfinished
             self._restart(step, rank, world)
+        self._next, self._current = None, (step, rank, world)
         return MicroBatches(self, (step, rank, world), count)
 
     def _restart(self, step: int, rank: int, world: int) -> None:
@@ -111,17 +113,17 @@ class StepLoader:
 
     def take(self, at: tuple[int, int, int], last: bool) -> Any:
         """The next micro-batch, which must be one of ``at`` = (step, rank, world) (see :class:`MicroBatches`)."""
-        if self._next != at:
+        if self._current != at:
             raise UsageError("a StepLoader's micro-batches are consumed in order, one step after the other")
-        self._next = None  # until this micro-batch is really ours (an interrupt may strike inside next())
         batch = next(self._iterator)
-        step, rank, world = at
-        self._next = (step + 1, rank, world) if last else at
+        if last:
+            step, rank, world = at
+            self._next, self._current = (step + 1, rank, world), None
         return batch
 
     def close(self) -> None:
         """Drop the iterator: torch's iterator stops its workers when it is freed."""
-        self._iterator, self._next = None, None
+        self._iterator = self._next = self._current = None
 
 
 class MicroBatches:

@@ -40,6 +40,17 @@ class StepTransaction:
         self._unscaled = False
 
     # ---- before the vote ----------------------------------------------------------------------
+    def begin(self) -> None:
+        """A step (or its replay) starts: its backward accumulates into zeroed gradients. Zeroed here,
+        not after the previous update: until the next step begins, the averaged gradients of the last
+        committed step are what a sharded optimizer's roll-forward needs (a peer that died in the tail)."""
+        self.grads_step = -1
+        if self.grads is not None:
+            self.grads.zero_()
+        for p, view in zip(self._st.params, self._views):
+            if view is None and p.grad is not None:
+                p.grad.zero_()
+
     def reduce(self, step: int, world_size: int) -> None:
         """Average gradients (and with a scaler unscale them), broadcast rank 0's buffers."""
         grads = self._gather()
@@ -79,8 +90,6 @@ class StepTransaction:
         elif not skip:
             self._optimizer_step(step, st.optimizer.step if st.optimizer is not None else None)
         self._unscaled = self._found_inf = False
-        if st.optimizer is not None:
-            st.optimizer.zero_grad(set_to_none=False)
         if st.scheduler is not None:
             st.scheduler.step()
 
@@ -91,7 +100,7 @@ class StepTransaction:
             plain()
 
     def abort(self) -> None:
-        """A failure before the vote: forget the step's unscale (its gradients are zeroed by the rollback)."""
+        """A failure: forget the step's unscale (its gradients are zeroed when the replay begins)."""
         if self._unscaled:  # update(new_scale=same) is torch's public way to reset a scaler's per-step state
             self._st.scaler.update(new_scale=self._st.scaler.get_scale())
         self._unscaled = self._found_inf = False

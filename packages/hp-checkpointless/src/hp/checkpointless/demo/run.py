@@ -128,6 +128,45 @@ def compare(reference: RunResult, faulted: RunResult) -> dict:
     return {"bitwise_equal": equal, "lost_steps": lost, "steps_compared": len(ref)}
 
 
+STATE_PARTS = ("params", "buffers", "optimizer", "scheduler", "scaler")
+
+
+def final_states(result: RunResult) -> dict[str, dict]:
+    """Rank (a string, as in JSON) -> the digests of its state at the end of the job: the runtime's
+    ``final_state`` event (sha256 of the exact bytes of every tensor, per part of the state). A rank
+    held by several processes (a spare took it over) is the last one's."""
+    return {str(e["rank"]): e["digests"] for e in result.events if e["event"] == "final_state"}
+
+
+def compare_state(reference: RunResult, faulted: RunResult, nproc: int | None = None,
+                  sharded_optimizer: bool = False) -> dict:
+    """Final state of every rank of ``faulted`` against the same rank of ``reference`` and against
+    every other rank of ``faulted``. With a sharded optimizer (ZeRO) each rank holds another part of
+    the optimizer state: that part is compared with the same rank of the reference only.
+
+    Returns ``state_equal`` (False when either run recorded no final state, or not for the same
+    ranks, or not for ``nproc`` ranks), the ``state_parts`` compared, and the ``state_differences``
+    found (rank, part, against what)."""
+    ref, got = final_states(reference), final_states(faulted)
+    diffs: list[str] = []
+    if not got or not ref:
+        diffs.append(f"no final state recorded by the {'faulted' if not got else 'reference'} run")
+    elif set(ref) != set(got):
+        diffs.append(f"final states of ranks {sorted(got, key=int)}, the reference's of {sorted(ref, key=int)}")
+    elif nproc is not None and set(got) != {str(r) for r in range(nproc)}:
+        diffs.append(f"final states of ranks {sorted(got, key=int)}, expected {nproc} ranks")
+    ranks = sorted(got, key=int)
+    parts = [k for k in STATE_PARTS if any(d.get(k) is not None for d in [*got.values(), *ref.values()])]
+    parts += sorted({k for d in [*got.values(), *ref.values()] for k in d} - set(STATE_PARTS))
+    if not diffs:
+        first = ranks[0]
+        for r in ranks:
+            diffs += [f"rank {r} {k}: not the reference's" for k in parts if got[r].get(k) != ref[r].get(k)]
+            diffs += [f"rank {r} {k}: not rank {first}'s" for k in parts if got[r].get(k) != got[first].get(k)
+                      and not (sharded_optimizer and k == "optimizer")]
+    return {"state_equal": not diffs, "state_parts": parts, "state_differences": diffs}
+
+
 def step_time(result: RunResult) -> float:
     times = [e["t"] for e in result.events if e["event"] == "commit" and e.get("rank") == 0]
     deltas = [b - a for a, b in zip(times, times[1:])]
@@ -164,6 +203,10 @@ def run_demo(cfg: DemoConfig) -> dict:
         "data_cache": data,
         "log_dir": root,
     }
+    state = compare_state(reference, faulted, cfg.nproc, sharded_optimizer="--zero" in cfg.train_args)
+    result.update(state)
+    result["final_state"] = {"reference": final_states(reference), "faulted": final_states(faulted)}
+    result["sharded_optimizer"] = "--zero" in cfg.train_args
     result["completed"] = reference.returncode == 0 and faulted.returncode == 0
     if not result["completed"]:
         result["error_tail"] = (faulted.output if faulted.returncode else reference.output)[-2000:]
@@ -183,6 +226,7 @@ def format_table(r: dict) -> str:
     rows += [
         ("lost steps", str(r["lost_steps"])),
         ("losses bit-identical", f"{'yes' if r['bitwise_equal'] else 'NO'} ({r['steps_compared']} steps)"),
+        ("final state bit-identical", _state_row(r)),
         ("data cache", f"cold preprocess {r['data_cache']['cold_preprocess_s']:.2f} s, "
                        f"warm attach {r['data_cache']['warm_attach_s'] * 1000:.2f} ms"),
         ("wall time", f"reference {r['reference']['wall_s']:.1f} s, faulted {r['faulted']['wall_s']:.1f} s"),
@@ -190,3 +234,15 @@ def format_table(r: dict) -> str:
     ]
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+
+
+def _state_row(r: dict) -> str:
+    if "state_equal" not in r:  # a result of an older version
+        return "-"
+    ranks = len(r.get("final_state", {}).get("faulted", {}))
+    parts = [f"{k} (per rank)" if k == "optimizer" and r.get("sharded_optimizer") else k for k in r["state_parts"]]
+    if r["state_equal"]:
+        return f"yes ({ranks} ranks: {', '.join(parts)})"
+    shown = r["state_differences"][:3]
+    more = len(r["state_differences"]) - len(shown)
+    return "NO (" + "; ".join(shown) + (f"; {more} more" if more > 0 else "") + ")"

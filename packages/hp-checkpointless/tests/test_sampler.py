@@ -1,0 +1,59 @@
+"""StepSampler / StepLoader: the samples of a step are a pure function of (seed, step, micro-batch)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.utils.data import Dataset
+
+from hp.checkpointless.sampler import StepLoader, StepSampler
+from hp.core.errors import UsageError
+
+
+class Squares(Dataset):
+    def __len__(self) -> int:
+        return 50
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return torch.tensor([i, i * i])
+
+
+def test_every_sample_once_per_epoch_and_the_same_global_batch_at_any_world_size():
+    sampler = StepSampler(48, micro_batch=3, micro_batches=4, seed=7)
+    epoch = [i for s in range(4) for m in range(4) for i in sampler.indices(s, m)]
+    assert sorted(epoch) == list(range(48))
+    for world in (1, 2, 4):
+        per_step = sorted(i for r in range(world) for m in sampler.owned(2, r, world) for i in sampler.indices(2, m))
+        assert per_step == sorted(i for m in range(4) for i in sampler.indices(2, m))
+    assert StepSampler(48, 3, 4, seed=7).indices(9, 1) == sampler.indices(9, 1)  # no history
+    assert StepSampler(48, 3, 4, seed=8).indices(9, 1) != sampler.indices(9, 1)
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda: StepSampler(0, 2, 2), "dataset_len, micro_batch and micro_batches >= 1"),
+    (lambda: StepSampler(10, 2, 3).owned(0, 0, 2), "3 micro-batches per step cannot be split evenly over 2 ranks"),
+    (lambda: StepSampler(10, 2, 2).owned(0, 2, 2), "rank 2 is not in a world of 2"),
+    (lambda: StepSampler(10, 2, 2).indices(0, 2), "no micro-batch 2 of step 0"),
+    (lambda: StepLoader(Squares(), StepSampler(50, 2, 2), batch_size=4), "StepLoader chooses batch_size itself"),
+])
+def test_bad_input_is_a_one_line_error(call, message):
+    with pytest.raises(UsageError, match=message) as e:
+        call()
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("workers", [0, 2])
+def test_the_loader_follows_steps_restarts_for_a_replay_and_never_draws_the_global_rng(workers):
+    sampler = StepSampler(50, micro_batch=2, micro_batches=4, seed=1)
+    loader = StepLoader(Squares(), sampler, num_workers=workers)
+    expect = lambda s: [[[i, i * i] for i in sampler.indices(s, m)] for m in sampler.owned(s, 1, 2)]  # noqa: E731
+    torch.manual_seed(0)
+    before = torch.get_rng_state()
+    got = {s: [b.tolist() for b in loader.step(s, 1, 2)] for s in range(3)}
+    micro = loader.step(3, 1, 2)
+    next(iter(micro))  # a failure in the middle of step 3: it is replayed from its start
+    replay = [b.tolist() for b in loader.step(3, 1, 2)]
+    assert got == {s: expect(s) for s in range(3)} and replay == expect(3)
+    assert len(micro) == 2
+    assert torch.equal(torch.get_rng_state(), before)
+    loader.close()
