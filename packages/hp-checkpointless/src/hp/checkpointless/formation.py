@@ -61,7 +61,10 @@ class Formation:
         if st.receive_buffer is not None or not store.check([STATE_NBYTES_KEY]):
             return
         nbytes = int(store.get(STATE_NBYTES_KEY))
-        st.receive_buffer = state.StateBuffer(None, torch.zeros(nbytes + (nbytes >> 6), dtype=torch.uint8))
+        # 1/64 of headroom, rounded to 64 bytes: the optimizer keeps views into these bytes, and torch.save
+        # of a float view into a storage whose size is no multiple of the element size cannot be loaded
+        size = -(-(nbytes + (nbytes >> 6)) // 64) * 64
+        st.receive_buffer = state.StateBuffer(None, torch.zeros(size, dtype=torch.uint8))
         self._events.record(Event.RECEIVE_BUFFER_READY, nbytes=nbytes)
 
     def publish_state_size(self, st: TrainingState) -> None:
