@@ -37,6 +37,11 @@ def test_demo_json_reports_a_bit_identical_recovery(tmp_path):
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result["bitwise_equal"] is True and result["lost_steps"] == 0
+    # every rank's final parameters, buffers, optimizer and scheduler state: the same bits as the reference
+    # run's same rank, and as every other rank's
+    assert result["state_equal"] is True, result["state_differences"]
+    assert set(result["final_state"]["faulted"]) == {"0", "1", "2", "3"}
+    assert len({d["params"] for run in result["final_state"].values() for d in run.values()}) == 1
     assert (result["steps"], result["world_size"], result["spares"]) == (12, 4, 1)
     assert 0 < result["recovery_s"] < 30  # a hang guard; the measured figure is the demo's output
     assert set(result["phases"]) == {"detect", "abort", "spare_attach", "pg_init", "hydrate", "replay"}
