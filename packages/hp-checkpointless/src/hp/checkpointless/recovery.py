@@ -60,7 +60,6 @@ TRANSITIONS: dict[RankState, frozenset[RankState]] = {
     S.RECOVERING: frozenset({S.FORMING, S.CLOSED}),
     S.CLOSED: frozenset({S.CLOSED}),
 }
-LIVE = frozenset({S.COMPUTING, S.COMMITTING, S.FINISHING})  # states with a formed group of this generation
 
 
 @dataclass(frozen=True)
