@@ -1,6 +1,34 @@
-"""hp elastic training: scaling policy, constant global batch, LR per world size, graceful preemption
+"""hp elastic training: scaling policy, constant global batch, LR per world size, exact mode.
 
-Nothing public yet: this distribution is a skeleton until its issue lands.
+What exists: :class:`ScalingPolicy` (sizes, batch geometry, LR rules; YAML), :func:`decide` (pure
+scaling decisions), :func:`owned` / :func:`owner` (micro-batch ownership at any world size) and
+:func:`exact_mean` (the W-independent gradient reduction of exact mode). The runtime that re-forms the
+job at a new world size is still to come.
+
+Names are imported on first use: ``import hp.elastic`` must not import torch (the ``hp`` CLI and the
+policy loader do not need it).
 """
 
-__all__: list[str] = []
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "ScalingPolicy": "hp.elastic.policy", "WorldOverride": "hp.elastic.policy",
+    "ScaleAction": "hp.elastic.decide", "ScaleDecision": "hp.elastic.decide", "decide": "hp.elastic.decide",
+    "Failure": "hp.elastic.decide", "Preemption": "hp.elastic.decide", "CapacityChanged": "hp.elastic.decide",
+    "owned": "hp.elastic.ownership", "owner": "hp.elastic.ownership",
+    "micro_batch_seed": "hp.elastic.ownership", "micro_batch_samples": "hp.elastic.ownership",
+    "exact_mean": "hp.elastic.exact", "quantize": "hp.elastic.exact", "dequantize": "hp.elastic.exact",
+    "scale_shift": "hp.elastic.exact", "precision_bits": "hp.elastic.exact",
+    "NonFiniteGradientError": "hp.elastic.exact",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'hp.elastic' has no attribute {name!r}")
