@@ -46,8 +46,8 @@ class TrainingState:
         self.sharded: sharded.ShardedOptimizer | None = None
         self.committed = -1  # last committed step
         self.receive_buffer: state.StateBuffer | None = None  # a spare's pre-faulted hydration buffer
-        self._buffers = [b for _, b in model.named_buffers()]
-        self._snapshot = state.StateBuffer(state.flatten(self._buffers)[0]) if self._buffers else None
+        self.buffers = [b for _, b in model.named_buffers()]  # every buffer, in module order (read by the transaction)
+        self._snapshot = state.StateBuffer(state.flatten(self.buffers)[0]) if self.buffers else None
         self.mark_committed(-1)
 
     def build_optimizer(self) -> None:
@@ -66,7 +66,7 @@ class TrainingState:
         """``step`` is committed: what a later failed step rolls back to is taken now."""
         self.committed, self.rng = step, capture_rng()
         if self._snapshot is not None:
-            self._snapshot.pack(self._buffers)
+            self._snapshot.pack(self.buffers)
 
     def rollback(self) -> None:
         """Undo what a failed step did before its vote: RNG draws, buffer updates (its gradients are
@@ -74,7 +74,7 @@ class TrainingState:
         restore_rng(self.rng)
         if self._snapshot is not None:
             with torch.no_grad():
-                for buf, saved in zip(self._buffers, self._snapshot.unpack()):
+                for buf, saved in zip(self.buffers, self._snapshot.unpack()):
                     buf.copy_(saved)
 
     # ---- what travels to a replacement ------------------------------------------------------

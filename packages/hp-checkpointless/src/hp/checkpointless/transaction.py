@@ -149,7 +149,7 @@ class StepTransaction:
 
     def _broadcast_buffers(self) -> None:
         """Rank 0's buffers to every rank: packed into one flat uint8 buffer (any dtype), one broadcast."""
-        buffers = [b for _, b in self._st.model.named_buffers()]
+        buffers = self._st.buffers
         if not buffers:
             return
         if self._bcast is None:
