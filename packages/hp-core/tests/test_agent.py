@@ -79,11 +79,29 @@ def test_sigterm_is_forwarded_to_workers(launch, tmp_path):
     job = launch("run", "--nproc-per-node", "2", MARKER)
     wait_for(_all_started(tmp_path, 2), what="2 workers to start")
     worker_pids = [pids(tmp_path, r)[0] for r in range(2)]
+    started = {pid: _start_time(pid) for pid in worker_pids}
     job.proc.send_signal(signal.SIGTERM)
     assert job.wait() == 128 + signal.SIGTERM
     assert "stopped by SIGTERM" in job.output
-    for pid in worker_pids:
-        assert not os.path.exists(f"/proc/{pid}") or "Z" in open(f"/proc/{pid}/stat").read().split()[2]
+    for pid in worker_pids:  # gone, a zombie, or its pid already reused by another process (pid_max is small)
+        stat = _stat(pid)
+        assert stat is None or stat[2] == "Z" or stat[21] != started[pid], f"worker {pid} still runs: {stat[2]}"
+
+
+def _stat(pid: int) -> list[str] | None:
+    """/proc/PID/stat's fields after the command name (which may hold spaces), or None once it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            raw = f.read()
+    except FileNotFoundError:
+        return None
+    return [str(pid), "comm", *raw.rsplit(")", 1)[1].split()]
+
+
+def _start_time(pid: int) -> str:
+    stat = _stat(pid)
+    assert stat is not None, f"worker {pid} is gone before the test signalled anything"
+    return stat[21]
 
 
 def test_two_agents_form_one_job_over_loopback(launch, tmp_path, free_port):

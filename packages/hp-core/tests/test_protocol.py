@@ -27,10 +27,16 @@ def test_keys_and_ids_are_the_published_strings():
 def test_plan_round_trips_in_the_controllers_format():
     raw = PLAN.to_json()
     assert json.loads(raw) == {"generation": 3, "world_size": 4, "why": "spare_promoted", "state": "running",
-                               "reason": "", "holders": {"0": "r0.0", "1": "spare.n0s0", "2": "r2.1", "3": "r3.0"}}
-    assert list(json.loads(raw)) == ["generation", "world_size", "why", "state", "reason", "holders"]
+                               "reason": "", "at_boundary": False,
+                               "holders": {"0": "r0.0", "1": "spare.n0s0", "2": "r2.1", "3": "r3.0"}}
+    assert list(json.loads(raw)) == ["generation", "world_size", "why", "state", "reason", "at_boundary", "holders"]
     assert Plan.from_json(raw) == Plan.from_json(raw.encode()) == PLAN
     assert Plan.from_json(raw).state is JobState.RUNNING
+
+
+def test_a_process_finds_its_rank_by_holder():
+    assert PLAN.rank_of("spare.n0s0") == 1 and PLAN.rank_of("r3.0") == 3
+    assert PLAN.rank_of("r1.0") is None  # replaced: no rank in this generation
 
 
 def test_a_plan_without_why_reads_as_empty():

@@ -111,3 +111,11 @@ def test_close_releases_the_runner(tmp_path):
     finally:
         backend.close()
         kill_tagged(f"HP_TEST_DIR={tmp_path}")
+
+
+@pytest.mark.parametrize("text, replicas", [("3\n", 3), ("three", None), ("9" * 40, None), ("", None), (None, None)])
+def test_the_capacity_file_gives_a_number_of_ranks_or_nothing(scheduler, tmp_path, text, replicas):
+    path = tmp_path / "capacity"
+    if text is not None:
+        path.write_text(text)
+    assert scheduler.capacity(str(path)).replicas == replicas  # a bad or missing file never crashes the agent

@@ -14,6 +14,7 @@ survivors blocked in a collective with it now rather than at the process group's
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -22,6 +23,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 from torch.distributed.elastic.multiprocessing import Std
@@ -32,8 +34,10 @@ from hp.core.config import RunConfig
 from hp.core.control_plane import ControlClient, ControlServer
 from hp.core.controller import Controller, ControllerConfig
 from hp.core.errors import ControlPlaneError, HpError
-from hp.core.plugins import get_backend
-from hp.core.protocol import FailureAction, JobState, Verb, spare_holder, spare_id, worker_holder
+from hp.core.plugins import get_backend, load_scaler
+from hp.core.protocol import EXIT_PREEMPTED, SCALING_POLICY_ENV, FailureAction, JobState, Verb, spare_holder, spare_id, worker_holder
+from hp.core.rescale import ElasticController
+from hp.core.scaling import Scaler
 from hp.core.services import NodeContext, ServiceError, ServiceHost
 from hp.core.store import StoreServer
 from hp.core.workers import Worker, python_command
@@ -52,6 +56,7 @@ class Assignment:
     rank_offset: int
     store_host: str
     store_port: int
+    spare_ids: list[str]  # of the spares this node starts; a node that joined a running job: all its processes
 
 
 class JobFailed(HpError):
@@ -62,12 +67,35 @@ class Fenced(HpError):
     """This node lost the controller for longer than its lease: it must stop its workers."""
 
 
+_deferred: list[int] = []  # signals that arrived while a worker was being started (see _starting)
+_defer = False
+
+
 def _raise_signal(signum: int, frame: object) -> None:
+    if _defer:
+        _deferred.append(signum)
+        return
     raise SignalException(f"received {signal.Signals(signum).name}", sigval=signal.Signals(signum))
 
 
+@contextlib.contextmanager
+def _starting() -> Iterator[None]:
+    """Hold SIGTERM/SIGINT while a worker process starts: raised between its spawn and the moment the
+    agent records it, the signal would leave a process nobody stops (seen: an orphaned worker)."""
+    global _defer
+    _defer = True
+    try:
+        yield
+    finally:
+        _defer = False
+        if _deferred:
+            signum = _deferred[0]
+            _deferred.clear()
+            _raise_signal(signum, None)
+
+
 class Agent:
-    def __init__(self, config: RunConfig, token: str) -> None:
+    def __init__(self, config: RunConfig, token: str, scaler: Scaler | None = None) -> None:
         config.validate()
         self.cfg = config
         self.token = token
@@ -75,6 +103,9 @@ class Agent:
         self.transport.check_available()
         self.store_backend = get_backend("store", config.store)
         self.services = ServiceHost(config.services)
+        if scaler is None and config.scaling_policy is not None:  # a bad policy: one line, before anything starts
+            scaler = load_scaler(config.scaling_policy)
+        self.scaler = scaler
         self.log_dir = config.log_dir or tempfile.mkdtemp(prefix=f"hp_{config.run_id}_")
         os.makedirs(self.log_dir, exist_ok=True)
         self.generation = 0
@@ -88,6 +119,8 @@ class Agent:
         self._cut: set[str] = set()  # lost nodes' addresses whose connections were cut
         self._next_spare = config.spares  # index of the next replacement spare's id
         self._client: ControlClient | None = None
+        self._capacity: int | None = None  # the last capacity the scheduler gave (elastic)
+        self._members: set[str] | None = None  # holders of this node's ranks at the last heartbeat
 
     # ---- lifecycle ----------------------------------------------------------------------
     def run(self) -> int:
@@ -98,11 +131,16 @@ class Agent:
             assignment = self._rendezvous(client)
             self._start_services(client, assignment)
             self._start_workers(assignment)
-            if self.cfg.replenish_spares and self.cfg.spares:
-                # replacements are forked from it: their imports are paid now, once
+            if (self.cfg.replenish_spares and self.cfg.spares) or self.cfg.scaling_policy is not None:
+                # replacements (and, elastic, the new process of a rank the job shrank without) are
+                # forked from it: their imports are paid now, once
                 forkserver.warm(self._thread_env())
             return self._monitor(client)
         except SignalException as e:
+            if self.cfg.scaling_policy is not None and self._client is not None:
+                code = self._leave(e.sigval)
+                if code is not None:
+                    return code
             self._stop_workers(e.sigval)
             self._tell_stopping(e.sigval.name)
             say(f"stopped by {e.sigval.name}; workers were sent {e.sigval.name}")
@@ -146,15 +184,19 @@ class Agent:
 
     def _host_controller(self) -> None:
         ep = self.cfg.controller_endpoint
+        scaler = self.scaler
         self._store = self.store_backend.serve(ep.host, 0)
-        controller = Controller(ControllerConfig(
+        config = ControllerConfig(
             nnodes=self.cfg.nnodes,
+            max_nodes=self.cfg.max_nnodes,
             max_restarts=self.cfg.max_restarts,
             heartbeat_timeout_s=self.cfg.heartbeat_timeout_s,
             store_host=self._store.host,
             store_port=self._store.port,
             decision_log=os.path.join(self.log_dir, "controller_decisions.jsonl"),
-        ), publish=self._store.store.set)
+        )
+        controller = (Controller(config, publish=self._store.store.set) if scaler is None
+                      else ElasticController(config, scaler, publish=self._store.store.set))
         self._server = ControlServer(controller, self.token, ep.host, ep.port).start()
 
     def _call_until(self, client: ControlClient, verb: Verb, payload: dict, done, what: str) -> dict:
@@ -183,7 +225,11 @@ class Agent:
             raise JobFailed(a.get("reason") or f"job is {a['state']}")
         self.generation = a["generation"]
         self._last_ok = time.monotonic()
-        return Assignment(a["generation"], a["world_size"], a["rank_offset"], a["store_host"], a["store_port"])
+        prefix = spare_id(self.cfg.node_rank, 0)[:-1]  # the ids name log files and heartbeat files
+        if not all(isinstance(s, str) and s.startswith(prefix) and s[len(prefix):].isdigit() for s in a["spare_ids"]):
+            raise JobFailed(f"the controller named spares {a['spare_ids']!r}, not {prefix}<k>")
+        return Assignment(a["generation"], a["world_size"], a["rank_offset"], a["store_host"], a["store_port"],
+                          a["spare_ids"])
 
     # ---- node services (hp.core.services) -----------------------------------------------
     def _start_services(self, client: ControlClient, a: Assignment) -> None:
@@ -210,14 +256,19 @@ class Agent:
         self._assignment = a
         os.makedirs(os.path.join(self.log_dir, "heartbeats"), exist_ok=True)
         tee = Std(self.cfg.tee)
-        for local_rank in range(self.cfg.nproc_per_node):
-            rank = a.rank_offset + local_rank
-            self.workers.append(Worker(rank, local_rank, command, self.log_dir, tee, holder=worker_holder(rank, 0)))
-        for i in range(self.cfg.spares):
-            sid = spare_id(self.cfg.node_rank, i)
+        if a.rank_offset >= 0:
+            for local_rank in range(self.cfg.nproc_per_node):
+                rank = a.rank_offset + local_rank
+                self.workers.append(Worker(rank, local_rank, command, self.log_dir, tee, holder=worker_holder(rank, 0)))
+        else:
+            say(f"node {self.cfg.node_rank} joins a running job: its {self.cfg.nproc_per_node} process(es) "
+                f"start as spares that the job grows into")
+        for sid in a.spare_ids:
             self.spares.append(Worker(-1, -1, command, self.log_dir, tee, spare_id=sid, holder=spare_holder(sid)))
+        self._next_spare = 1 + max((int(s.rpartition("s")[2]) for s in a.spare_ids), default=self.cfg.spares - 1)
         for w in self.workers + self.spares:
-            w.start(self._worker_env(w))
+            with _starting():
+                w.start(self._worker_env(w))
 
     def _worker_env(self, w: Worker) -> dict[str, str]:
         a = self._assignment
@@ -252,6 +303,8 @@ class Agent:
             "HP_HEARTBEAT_FILE": w.heartbeat_file,
             "HP_HOLDER": w.holder,
         })
+        if self.cfg.scaling_policy is not None:
+            env[SCALING_POLICY_ENV] = os.path.abspath(self.cfg.scaling_policy)
         return env
 
     def _thread_env(self) -> dict[str, str]:
@@ -278,30 +331,44 @@ class Agent:
                 if w.running and (status := w.poll()) is not None and not status.ok:
                     self._on_failure(client, w)
             for w in list(self.spares):
-                if w.running and w.poll() is not None:
-                    w.finish()
-                    say(f"spare {w.spare_id} (pid {w.pid}) exited: {w.exit.describe()}")
-                    self.spares.remove(w)
-                    self._call(client, Verb.SPARE_FAILED, {"spare": w.spare_id})
+                if not w.running or (status := w.poll()) is None:
+                    continue
+                self.spares.remove(w)
+                if status.ok:  # only a spare given a rank ends by itself (this agent has not heard yet): done
+                    self.workers.append(w)
+                    continue
+                w.finish()
+                say(f"spare {w.spare_id} (pid {w.pid}) exited: {w.exit.describe()}")
+                answer = self._call(client, Verb.SPARE_FAILED, {"spare": w.spare_id})
+                if "action" in answer:  # promoted before this agent heard of it: a rank died
+                    w.rank = answer.get("rank", w.rank)
+                    self._act(w, answer)
             if time.monotonic() >= next_beat:
                 next_beat = time.monotonic() + self.cfg.heartbeat_interval_s
                 beat = self._call(client, Verb.HEARTBEAT, {})
                 for line in self.services.check():
                     say(line)
                 self.generation = max(self.generation, beat["generation"])
+                self._renumber(beat.get("ranks", {}))
                 for promotion in beat.get("promotions", []):
                     self._promote(promotion)
                 self._cut_lost(beat.get("lost", []))
+                self._follow_capacity(client)
                 if beat["state"] == JobState.FAILED:
                     raise JobFailed(beat["reason"])
+                if beat["state"] == JobState.PREEMPTED:
+                    return self._preempted(client, time.monotonic() + self.cfg.grace_period_s)
                 if beat["state"] == JobState.SUCCEEDED:
                     return 0
-            if not self._done_reported and all(w.exit and w.exit.ok for w in self.workers):
+            self._scaled_out()
+            if not self._done_reported and self.workers and all(w.exit and w.exit.ok for w in self.workers):
                 for spare in self.spares:
                     spare.stop(signal.SIGTERM)  # nothing left on this node for a spare to replace
                 self.spares.clear()
-                self._call(client, Verb.NODE_DONE, {}, fenced=True)
+                done = self._call(client, Verb.NODE_DONE, {}, fenced=True)
                 self._done_reported = True
+                if done["state"] == JobState.PREEMPTED:  # they saved and exited before a heartbeat told us
+                    return self._preempted(client, time.monotonic() + self.cfg.grace_period_s)
                 if not self.cfg.hosts_controller:
                     say(f"node {self.cfg.node_rank}: all {len(self.workers)} workers succeeded")
                     return 0
@@ -343,17 +410,29 @@ class Agent:
             "signal": st.signal, "message": st.message,
         }, fenced=True)
         w.finish()
+        self._act(w, decision)
+
+    def _act(self, w: Worker, decision: dict) -> None:
+        """Carry out the controller's decision about the dead process ``w`` that held a rank."""
         action = decision["action"]
         if action == FailureAction.STOP:
             raise JobFailed(decision["reason"])
         self.generation = max(self.generation, decision["generation"])
         if action == FailureAction.RESTART:
-            w.restarts, w.holder = w.restarts + 1, decision["holder"]
-            w.start(self._worker_env(w))
+            w.restarts, w.holder, w.rank = w.restarts + 1, decision["holder"], decision["rank"]
+            if w not in self.workers:  # a spare given a rank before this agent heard of it
+                self.workers.append(w)
+            with _starting():
+                w.start(self._worker_env(w))
             say(f"restarted rank {w.rank} as pid {w.pid} (generation {self.generation}, restart {w.restarts})")
             return
-        self.workers.remove(w)  # the rank now lives in a spare process, here or on another node
-        if action == FailureAction.PROMOTE_SPARE:
+        if w in self.workers:
+            self.workers.remove(w)  # the rank now lives in a spare process, here or on another node
+        if action == FailureAction.SHRINK:
+            say(f"rank {w.rank}: no spare left; the job goes on with {decision['world_size']} ranks "
+                f"(generation {self.generation}); a new process takes the freed slot and joins when ready")
+            self._add_spare(joiner=True)
+        elif action == FailureAction.PROMOTE_SPARE:
             self._promote(decision)
         else:
             say(f"rank {w.rank} moved to a spare on node {decision['node']} (generation {self.generation})")
@@ -370,17 +449,51 @@ class Agent:
         if self.cfg.replenish_spares:
             self._add_spare()
 
-    def _add_spare(self) -> None:
-        """Replace a promoted spare: a new process with a never-used id, registered as free. It starts
-        while the job trains, so it is forked with torch already imported (hp.core.forkserver)."""
+    def _follow_capacity(self, client: ControlClient) -> None:
+        """Elastic, on the node hosting the controller: the scheduler's capacity, when it changed, becomes
+        the job's (the controller shrinks or grows at a step boundary)."""
+        if self._server is None or self.cfg.capacity_file is None:
+            return
+        replicas = get_backend("scheduler", self.cfg.scheduler).capacity(self.cfg.capacity_file).replicas
+        if replicas is None or replicas == self._capacity:
+            return
+        self._capacity = replicas
+        try:
+            answer = client.call(Verb.SCALE, {"replicas": replicas})
+            say(f"capacity {replicas}: the job runs {answer['world_size']} ranks (generation {answer['generation']})")
+        except ControlPlaneError as e:
+            say(f"capacity {replicas}: {e}")
+
+    def _renumber(self, ranks: dict[str, int]) -> None:
+        """The controller's ranks of this node's processes, by holder id (scale events renumber them)."""
+        self._members = set(ranks)
+        for w in self.workers:
+            w.rank = ranks.get(w.holder, w.rank)
+
+    def _scaled_out(self) -> None:
+        """Elastic: a worker that exited 0 holding no rank any more was scaled out (``hp scale``, capacity):
+        its slot gets a new process that waits as a joiner, so the job can grow back into it."""
+        if self.scaler is None or self._members is None:
+            return
+        for w in [w for w in self.workers if w.exit and w.exit.ok and w.holder not in self._members]:
+            self.workers.remove(w)
+            say(f"{w.holder} left the job (scaled out); a new process keeps its slot for when the job grows")
+            self._add_spare(joiner=True)
+
+    def _add_spare(self, joiner: bool = False) -> None:
+        """Replace a promoted spare (or, ``joiner``, a rank the job shrank without: the job grows back into
+        it once it is ready): a new process with a never-used id, registered as free. It starts while the
+        job trains, so it is forked with torch already imported (hp.core.forkserver)."""
         sid = spare_id(self.cfg.node_rank, self._next_spare)
         self._next_spare += 1
         w = forkserver.ForkedWorker(-1, -1, self._command, self.log_dir, Std(self.cfg.tee), spare_id=sid,
                                     holder=spare_holder(sid))
-        w.start(self._worker_env(w))
-        self.spares.append(w)
-        self._call(self._client, Verb.SPARE_ADDED, {"spare": sid})
-        say(f"started spare {sid} (pid {w.pid}, forked with torch imported) to replace the promoted one")
+        with _starting():
+            w.start(self._worker_env(w))
+            self.spares.append(w)
+        self._call(self._client, Verb.SPARE_ADDED, {"spare": sid, "joiner": joiner})
+        say(f"started spare {sid} (pid {w.pid}, forked with torch imported) to replace the "
+            f"{'dead rank' if joiner else 'promoted one'}")
 
     def _cut_lost(self, addresses: list[str]) -> None:
         """Cut this node's TCP connections to lost nodes: a survivor blocked in a collective with
@@ -396,6 +509,68 @@ class Agent:
             done = subprocess.run(["ss", "-K", "dst", address], capture_output=True, text=True)
             say(f"lost node {address}: cut this node's connections to it"
                 if done.returncode == 0 else f"lost node {address}: could not cut connections: {done.stderr.strip()}")
+
+    def _leave(self, sig: signal.Signals) -> int | None:
+        """Elastic: a SIGTERM is a preemption. Ask the controller to let this node's ranks leave at the next
+        step boundary and wait (at most the grace period) for them to exit: 0 once they did. Where the job
+        cannot go on without this node (below the policy's minimum, or it hosts the controller) the job is
+        preempted: its ranks save their last committed step and exit (:meth:`_preempted`). None: stop as a
+        fixed-size job does (the grace period ran out, or the controller could not be asked)."""
+        deadline = time.monotonic() + self.cfg.grace_period_s
+        try:
+            answer = self._call(self._client, Verb.NODE_LEAVING,
+                                {"signal": sig.name, "hosts_controller": self._server is not None}, fenced=True)
+        except (JobFailed, Fenced) as e:
+            say(f"{sig.name}: could not leave gracefully ({e})")
+            return None
+        if answer.get("action") == FailureAction.SAVE:
+            return self._preempted(self._client, deadline)
+        if answer.get("action") != FailureAction.LEAVE:
+            say(f"{sig.name}: the job cannot shrink without this node ({answer.get('reason')}); stopping")
+            return None
+        for spare in list(self.spares):
+            if spare.spare_id in answer.get("spares", []):
+                spare.stop(signal.SIGTERM)
+            else:  # promoted since the last heartbeat: it holds a rank that leaves at the boundary
+                self.spares.remove(spare)
+                self.workers.append(spare)
+        say(f"{sig.name}: this node's ranks leave the job at the next step boundary (generation "
+            f"{answer['generation']}, {answer['world_size']} ranks stay; grace {self.cfg.grace_period_s:g} s)")
+        while time.monotonic() < deadline:
+            if self._workers_exited():
+                say("left the job gracefully")
+                return 0
+            time.sleep(self.cfg.monitor_interval_s)
+        say(f"grace period of {self.cfg.grace_period_s:g} s over: killing the ranks still running")
+        return None
+
+    def _workers_exited(self) -> bool:
+        return all(w.poll() is not None for w in self.workers if w.running)
+
+    def _preempted(self, client: ControlClient, deadline: float) -> int:
+        """The job is preempted (``JobState.PREEMPTED``): this node's ranks abandon their step, save the last
+        committed one and exit by themselves. Wait for them until ``deadline`` (the grace period); the node
+        hosting the controller (and the store the ranks save through) then waits for every other node's.
+        Ranks still running at the deadline are killed: a restart resumes from the newest complete
+        checkpoint, an older one."""
+        say(f"the job is preempted: its ranks save their last committed step, then stop "
+            f"({max(deadline - time.monotonic(), 0):.0f} s of grace left)")
+        while time.monotonic() < deadline:
+            if self._workers_exited():
+                try:
+                    if not self._done_reported:
+                        self._call(client, Verb.NODE_DONE, {}, fenced=True)
+                        self._done_reported = True
+                    finished = self._server is None or self._call(client, Verb.HEARTBEAT, {}).get("finished")
+                except (JobFailed, Fenced) as e:  # this node's part is done; the controller's answer only informs
+                    say(f"preempted: the controller could not be told this node's ranks saved ({e})")
+                    return EXIT_PREEMPTED
+                if finished:
+                    say("the job's ranks saved their last committed step and stopped (preempted)")
+                    return EXIT_PREEMPTED
+            time.sleep(self.cfg.monitor_interval_s)
+        say(f"grace period over before every rank saved: stopping; a restart resumes from the newest complete checkpoint")
+        return EXIT_PREEMPTED
 
     def _tell_stopping(self, why: str) -> None:
         try:

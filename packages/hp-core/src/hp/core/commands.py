@@ -8,12 +8,13 @@ import signal
 import time
 
 from hp.core import auth
-from hp.core.config import RunConfig, parse_endpoint
+from hp.core.config import RunConfig, parse_endpoint, parse_nnodes
 from hp.core.errors import UsageError
+from hp.core.plugins import load_scaler
 from hp.core.hookspecs import hookimpl
 
 
-def _read_token(args: argparse.Namespace, required: bool) -> str:
+def read_token(args: argparse.Namespace, required: bool) -> str:
     if getattr(args, "token_file", None):
         try:
             with open(args.token_file) as f:
@@ -35,7 +36,17 @@ def _read_token(args: argparse.Namespace, required: bool) -> str:
 def _add_run(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("run", help="run this node's agent and workers (torchrun-like)")
     a = p.add_argument
-    a("--nnodes", type=int, default=1, help="number of nodes (agents) in the job")
+    a("--nnodes", default="1", help="number of nodes (agents) in the job, or MIN:MAX for an elastic job "
+                                     "(starts with MIN; more nodes may join up to MAX; needs --scaling-policy)")
+    a("--scaling-policy", default=None, metavar="FILE",
+      help="elastic training: a ScalingPolicy YAML file (hp-elastic): shrink instead of stopping when a "
+           "rank dies with no spare, grow into joining nodes, leave gracefully on SIGTERM")
+    a("--capacity-file", default=None, metavar="FILE",
+      help="elastic, node hosting the controller: follow the number of ranks written in FILE (the local "
+           "scheduler's capacity source; `hp scale` is the other way to set it)")
+    a("--grace-period", type=float, default=30.0,
+      help="elastic: seconds this node's ranks get after SIGTERM to leave at a step boundary (or, where the "
+           "job cannot go on without the node, to save their last committed step before the job stops)")
     a("--nproc-per-node", "--nproc_per_node", type=int, default=1, help="workers on this node")
     a("--node-rank", "--node_rank", type=int, default=0, help="this node's rank in [0, nnodes)")
     a("--rdzv-endpoint", "--rdzv_endpoint", default=None,
@@ -71,11 +82,13 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from hp.core.agent import Agent
-
+    nnodes, max_nnodes = parse_nnodes(args.nnodes)
+    if max_nnodes is not None and args.scaling_policy is None:
+        raise UsageError("--nnodes MIN:MAX makes an elastic job: give its --scaling-policy FILE")
     cfg = RunConfig(
         entrypoint=args.entrypoint, args=list(args.args), module=args.module,
-        nnodes=args.nnodes, nproc_per_node=args.nproc_per_node, node_rank=args.node_rank,
+        nnodes=nnodes, max_nnodes=max_nnodes, scaling_policy=args.scaling_policy, grace_period_s=args.grace_period,
+        capacity_file=args.capacity_file, nproc_per_node=args.nproc_per_node, node_rank=args.node_rank,
         rdzv_endpoint=parse_endpoint(args.rdzv_endpoint) if args.rdzv_endpoint else None,
         external_controller=args.external_controller, max_restarts=args.max_restarts,
         monitor_interval_s=args.monitor_interval, heartbeat_interval_s=args.heartbeat_interval,
@@ -87,15 +100,19 @@ def _run(args: argparse.Namespace) -> int:
     if args.run_id:
         cfg.run_id = args.run_id
     cfg.validate()
-    token = _read_token(args, required=cfg.nnodes > 1 or cfg.external_controller)
-    return Agent(cfg, token).run()
+    scaler = load_scaler(cfg.scaling_policy) if cfg.scaling_policy is not None else None
+    token = read_token(args, required=cfg.nnodes > 1 or (cfg.max_nnodes or 1) > 1 or cfg.external_controller)
+    from hp.core.agent import Agent  # imports torch: only once the arguments are known to be good
+
+    return Agent(cfg, token, scaler).run()
 
 
 def _add_controller(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("controller", help="run a job's controller (and its store) standalone")
     p.add_argument("--host", default="127.0.0.1", help="interface to bind (default loopback)")
     p.add_argument("--port", type=int, default=29400)
-    p.add_argument("--nnodes", type=int, required=True)
+    p.add_argument("--nnodes", required=True, help="nodes in the job, or MIN:MAX for an elastic job")
+    p.add_argument("--scaling-policy", default=None, metavar="FILE", help="elastic: a ScalingPolicy YAML (hp-elastic)")
     p.add_argument("--max-restarts", type=int, default=0)
     p.add_argument("--heartbeat-timeout", type=float, default=30.0)
     p.add_argument("--store", default="tcp", help="coordination store plugin")
@@ -109,15 +126,22 @@ def _controller(args: argparse.Namespace) -> int:
     from hp.core.controller import Controller, ControllerConfig
     from hp.core.plugins import get_backend
     from hp.core.protocol import JobState
+    from hp.core.rescale import ElasticController
 
-    if args.nnodes < 1:
-        raise UsageError(f"--nnodes must be >= 1, got {args.nnodes}")
-    token = _read_token(args, required=True)
+    nnodes, max_nnodes = parse_nnodes(args.nnodes)
+    if nnodes < 1 or (max_nnodes is not None and max_nnodes < nnodes):
+        raise UsageError(f"--nnodes must be >= 1 (MIN <= MAX), got {args.nnodes}")
+    if (max_nnodes is None) != (args.scaling_policy is None):
+        raise UsageError("an elastic job needs both --nnodes MIN:MAX and --scaling-policy FILE")
+    scaler = load_scaler(args.scaling_policy) if args.scaling_policy is not None else None
+    token = read_token(args, required=True)
     store = get_backend("store", args.store).serve(args.host, 0)
-    controller = Controller(ControllerConfig(
-        nnodes=args.nnodes, max_restarts=args.max_restarts, heartbeat_timeout_s=args.heartbeat_timeout,
+    config = ControllerConfig(
+        nnodes=nnodes, max_nodes=max_nnodes, max_restarts=args.max_restarts, heartbeat_timeout_s=args.heartbeat_timeout,
         store_host=store.host, store_port=store.port, decision_log=args.decision_log,
-    ), publish=store.store.set)
+    )
+    controller = (Controller(config, publish=store.store.set) if scaler is None
+                  else ElasticController(config, scaler, publish=store.store.set))
     server = ControlServer(controller, token, args.host, args.port).start()
     print(f"hp controller: listening on {server.endpoint}, store on {store.host}:{store.port}", flush=True)
     stop = []

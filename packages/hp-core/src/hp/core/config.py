@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ipaddress
+import os
 import uuid
 from dataclasses import dataclass, field
 
@@ -41,6 +42,14 @@ def parse_endpoint(text: str, flag: str = "--rdzv-endpoint") -> Endpoint:
     return Endpoint(host, int(port))
 
 
+def parse_nnodes(text: str) -> tuple[int, int | None]:
+    """``--nnodes N`` or, as torchrun spells an elastic job, ``MIN:MAX``; returns (MIN, MAX or None)."""
+    low, sep, high = text.partition(":")
+    if not low.isdigit() or (sep and not high.isdigit()):
+        raise UsageError(f"--nnodes: expected N or MIN:MAX (e.g. 2:4), got {text!r}")
+    return int(low), int(high) if sep else None
+
+
 @dataclass
 class RunConfig:
     """Everything one ``hp run`` (one node's agent) needs. Mirrors torchrun where it applies."""
@@ -70,13 +79,20 @@ class RunConfig:
     # node services (``NAME[:KEY=VALUE,...]``) started before the workers and stopped after them
     services: list[str] = field(default_factory=list)
     run_id: str = field(default_factory=lambda: uuid.uuid4().hex[:12])
+    # elastic (``--nnodes MIN:MAX`` + ``--scaling-policy FILE``): the job starts with ``nnodes`` nodes,
+    # more may join up to ``max_nnodes``; the policy file is read by the ``hp_scaler`` hook (hp-elastic)
+    max_nnodes: int | None = None
+    scaling_policy: str | None = None
+    grace_period_s: float = 30.0  # SIGTERM (preemption): how long this node's ranks get to leave gracefully
+    scheduler: str = "local"  # the scheduler backend whose capacity an elastic job follows
+    capacity_file: str | None = None  # the ``local`` backend's capacity source (a number of ranks)
 
     def validate(self) -> None:
         checks = [
             (self.nnodes >= 1, f"--nnodes must be >= 1, got {self.nnodes}"),
             (self.nproc_per_node >= 1, f"--nproc-per-node must be >= 1, got {self.nproc_per_node}"),
-            (0 <= self.node_rank < self.nnodes,
-             f"--node-rank must be in [0, {self.nnodes}), got {self.node_rank}"),
+            (0 <= self.node_rank < max(self.nnodes, self.max_nnodes or 0),
+             f"--node-rank must be in [0, {max(self.nnodes, self.max_nnodes or 0)}), got {self.node_rank}"),
             (self.max_restarts >= 0, f"--max-restarts must be >= 0, got {self.max_restarts}"),
             (self.monitor_interval_s > 0, "--monitor-interval must be > 0"),
             (self.heartbeat_timeout_s > self.heartbeat_interval_s > 0,
@@ -85,13 +101,18 @@ class RunConfig:
             (self.spares >= 0, f"--spares must be >= 0, got {self.spares}"),
             (self.hang_timeout_s >= 0, f"--hang-timeout must be >= 0, got {self.hang_timeout_s}"),
             (bool(self.entrypoint), "a training script (or -m module) is required"),
+            (self.max_nnodes is None or self.max_nnodes >= self.nnodes,
+             f"--nnodes MIN:MAX needs MIN <= MAX, got {self.nnodes}:{self.max_nnodes}"),
+            (self.grace_period_s > 0, f"--grace-period must be > 0, got {self.grace_period_s}"),
         ]
         for ok, message in checks:
             if not ok:
                 raise UsageError(message)
+        if self.scaling_policy is not None and not os.path.isfile(self.scaling_policy):
+            raise UsageError(f"--scaling-policy: no such file: {self.scaling_policy}")
         for spec in self.services:
             parse_service_spec(spec)
-        multi_node = self.nnodes > 1 or self.external_controller
+        multi_node = self.nnodes > 1 or self.external_controller or (self.max_nnodes or 1) > 1
         if multi_node and (self.rdzv_endpoint is None or self.rdzv_endpoint.port == 0):
             raise UsageError("--rdzv-endpoint HOST:PORT with a fixed port is required when "
                              "--nnodes > 1 or the controller is external")

@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from hp.core.protocol import (
-    GENERATION_KEY, Decision, FailureAction, JobState, Plan, SpareAssignment, Verb, plan_key, spare_holder,
+    GENERATION_KEY, Decision, FailureAction, JobState, Plan, SpareAssignment, Verb, plan_key, restarted_holder,
+    spare_holder,
     spare_id, spare_key, worker_holder,
 )
 from hp.core.spares import SparePool
@@ -43,6 +44,7 @@ class NodeRecord:
     done: bool = False
     lost: bool = False  # silent past the heartbeat timeout: its ranks went to spares elsewhere
     address: str = ""  # the address the agent reached the controller from (told to survivors)
+    spare_ids: list[str] = field(default_factory=list)  # the ids of the spares its agent starts (after rendezvous)
     promotions: list[dict] = field(default_factory=list)  # spares of this node given a rank, not yet told
 
 
@@ -55,6 +57,7 @@ class ControllerConfig:
     store_port: int = 0
     decision_log: str | None = None  # JSON-lines file; None keeps the log in memory only
     max_rank_exceptions: int = 2  # in-process recoveries one rank may cause before it is replaced
+    max_nodes: int | None = None  # elastic (``--nnodes MIN:MAX``): node ranks up to this may join later
 
 
 def describe_exit(exitcode: int | None, signal_name: str | None) -> str:
@@ -63,7 +66,7 @@ def describe_exit(exitcode: int | None, signal_name: str | None) -> str:
     return f"exited with code {exitcode}"
 
 
-def _field(payload: dict, name: str, kind: type | tuple[type, ...]) -> Any:
+def request_field(payload: dict, name: str, kind: type | tuple[type, ...]) -> Any:
     value = payload.get(name)
     if not isinstance(value, kind) or isinstance(value, bool) and kind is not bool:
         raise Refused(400, f"malformed request: field {name!r} must be {getattr(kind, '__name__', kind)}")
@@ -102,6 +105,8 @@ class Controller:
             Verb.SPARE_READY: self._spare_ready,
             Verb.NODE_DONE: self._node_done,
             Verb.NODE_STOPPING: self._node_stopping,
+            Verb.NODE_LEAVING: self._not_elastic,  # hp.core.rescale.ElasticController handles these two
+            Verb.SCALE: self._not_elastic,
             Verb.STATE: lambda p: self.snapshot(),
         }
 
@@ -145,10 +150,13 @@ class Controller:
                       silent_s=round(now - node.last_seen, 3))
         self.spares.drop_nodes(gone)
         ranks = sorted(r for r, owner in self.members.items() if owner in gone)
+        if not ranks:
+            return  # only spares were there: nobody's group changed
         spares = self.spares.order()
         if len(spares) < len(ranks):
-            self._fail(f"{names} lost: no heartbeat for {silent:.1f} s; its ranks {ranks} need {len(ranks)} "
-                       f"spare(s) on the surviving nodes, {len(spares)} free")
+            if self._without_spare(ranks, f"{names} lost") is None:
+                self._fail(f"{names} lost: no heartbeat for {silent:.1f} s; its ranks {ranks} need {len(ranks)} "
+                           f"spare(s) on the surviving nodes, {len(spares)} free")
             return
         moves = [(rank, spare, self._give(rank, spare)) for rank, spare in zip(ranks, spares)]
         self._bump("node_lost", nodes=sorted(gone), ranks=ranks)
@@ -177,16 +185,16 @@ class Controller:
             with open(self.config.decision_log, "a") as f:
                 f.write(json.dumps(entry) + "\n")
 
-    def _bump(self, why: str, **details: Any) -> None:
+    def _bump(self, why: str, at_boundary: bool = False, **details: Any) -> None:
         self.generation += 1
-        self._log(Decision.NEW_GENERATION, why=why, **details)
-        self._publish_generation(why)
+        self._log(Decision.NEW_GENERATION, why=why, world_size=len(self.members), **details)
+        self._publish_generation(why, at_boundary)
 
-    def _publish_generation(self, why: str) -> None:
+    def _publish_generation(self, why: str, at_boundary: bool) -> None:
         """Tell every worker through the store: the plan of the new generation first, then its
         number, so a worker that sees the number can always read the plan."""
-        plan = Plan(self.generation, sum(n.nproc for n in self.nodes.values()), self.state.value, self.reason,
-                    dict(self.holders), why)
+        plan = Plan(self.generation, len(self.members), self.state.value, self.reason, dict(self.holders), why,
+                    at_boundary)
         self._publish(plan_key(self.generation), plan.to_json())
         self._publish(GENERATION_KEY, str(self.generation))
 
@@ -201,8 +209,18 @@ class Controller:
         self._log(Decision.FAIL_JOB, reason=reason)
         self._bump("job_failed")
 
+    def _preempt_job(self, reason: str) -> dict:
+        """The job cannot go on without a node that is leaving: every rank saves its last committed step
+        (the tiered-checkpoint rung) and exits (a failure generation: ranks abandon the step they are in,
+        so the save fits in a grace period shorter than a step). Idempotent: every preempted node asks."""
+        if self.state is JobState.RUNNING:
+            self.state, self.reason = JobState.PREEMPTED, reason
+            self._log(Decision.PREEMPT_JOB, reason=reason)
+            self._bump("preempted")
+        return {"action": FailureAction.SAVE, "generation": self.generation, "reason": self.reason}
+
     def _fence(self, payload: dict) -> NodeRecord:
-        generation = _field(payload, "generation", int)
+        generation = request_field(payload, "generation", int)
         node = self._node(payload)
         if generation != self.generation:
             raise Refused(
@@ -215,7 +233,7 @@ class Controller:
         return node
 
     def _node(self, payload: dict) -> NodeRecord:
-        node_rank = _field(payload, "node_rank", int)
+        node_rank = request_field(payload, "node_rank", int)
         if node_rank not in self.nodes:
             raise Refused(403, f"node {node_rank} is not a member of this job")
         node = self.nodes[node_rank]
@@ -230,25 +248,14 @@ class Controller:
 
     # ---- handlers (called with the lock held) -------------------------------------------
     def _join(self, p: dict) -> dict:
-        node_rank = _field(p, "node_rank", int)
-        nproc = _field(p, "nproc", int)
-        host = _field(p, "host", str)
-        spares, address = p.get("spares", 0), p.get("address", "")
-        if not isinstance(address, str):
-            raise Refused(400, "malformed request: field 'address' must be str")
-        if not isinstance(spares, int) or isinstance(spares, bool) or spares < 0:
-            raise Refused(400, "malformed request: field 'spares' must be an int >= 0")
-        if not 0 <= node_rank < self.config.nnodes:
-            raise Refused(400, f"node_rank {node_rank} outside [0, {self.config.nnodes})")
-        if nproc < 1:
-            raise Refused(400, f"nproc must be >= 1, got {nproc}")
-        known = self.nodes.get(node_rank)
+        node = self._join_request(p)
+        known = self.nodes.get(node.node_rank)
         if self.state is not JobState.RENDEZVOUS:
-            raise Refused(409, f"job is {self.state.value}; node {node_rank} cannot join now")
-        if known and (known.nproc, known.host, known.spares) != (nproc, host, spares):
-            raise Refused(409, f"node_rank {node_rank} already joined from {known.host}")
-        self.nodes[node_rank] = NodeRecord(node_rank, nproc, host, spares, address=address)
-        self._log(Decision.JOIN, node_rank=node_rank, host=host, nproc=nproc, spares=spares)
+            raise Refused(409, f"job is {self.state.value}; node {node.node_rank} cannot join now")
+        if known and (known.nproc, known.host, known.spares) != (node.nproc, node.host, node.spares):
+            raise Refused(409, f"node_rank {node.node_rank} already joined from {known.host}")
+        self.nodes[node.node_rank] = node
+        self._log(Decision.JOIN, node_rank=node.node_rank, host=node.host, nproc=node.nproc, spares=node.spares)
         if len(self.nodes) == self.config.nnodes:
             offset = 0
             for node in (self.nodes[n] for n in sorted(self.nodes)):
@@ -256,12 +263,30 @@ class Controller:
                 node.last_seen = self._clock()
                 self.members.update({r: node.node_rank for r in range(offset, offset + node.nproc)})
                 self.holders.update({r: worker_holder(r, 0) for r in range(offset, offset + node.nproc)})
-                for i in range(node.spares):
-                    self.spares.add(spare_id(node.node_rank, i), node.node_rank)
+                node.spare_ids = [spare_id(node.node_rank, i) for i in range(node.spares)]
+                for sid in node.spare_ids:
+                    self.spares.add(sid, node.node_rank)
                 offset += node.nproc
             self.state = JobState.RUNNING
-            self._bump("rendezvous_complete", world_size=offset)
+            self._bump("rendezvous_complete")
         return {"joined": True}
+
+    def _join_request(self, p: dict) -> NodeRecord:
+        """The node a ``join`` describes, its fields checked."""
+        node_rank = request_field(p, "node_rank", int)
+        nproc = request_field(p, "nproc", int)
+        host = request_field(p, "host", str)
+        spares, address = p.get("spares", 0), p.get("address", "")
+        if not isinstance(address, str):
+            raise Refused(400, "malformed request: field 'address' must be str")
+        if not isinstance(spares, int) or isinstance(spares, bool) or spares < 0:
+            raise Refused(400, "malformed request: field 'spares' must be an int >= 0")
+        limit = max(self.config.nnodes, self.config.max_nodes or 0)
+        if not 0 <= node_rank < limit:
+            raise Refused(400, f"node_rank {node_rank} outside [0, {limit})")
+        if nproc < 1:
+            raise Refused(400, f"nproc must be >= 1, got {nproc}")
+        return NodeRecord(node_rank, nproc, host, spares, address=address)
 
     def _rendezvous(self, p: dict) -> dict:
         node = self._node(p)
@@ -272,8 +297,9 @@ class Controller:
             "state": self.state.value,
             "reason": self.reason,
             "generation": self.generation,
-            "world_size": sum(n.nproc for n in self.nodes.values()),
-            "rank_offset": node.rank_offset,
+            "world_size": len(self.members),
+            "rank_offset": node.rank_offset,  # -1: a node that joined a running job; its processes are spares
+            "spare_ids": node.spare_ids,
             "nnodes": self.config.nnodes,
             "store_host": self.config.store_host,
             "store_port": self.config.store_port,
@@ -283,14 +309,23 @@ class Controller:
         # Liveness is accepted whatever generation the agent has seen; the reply carries the
         # current one so the agent catches up before its next (fenced) report.
         node = self._node(p)
-        _field(p, "generation", int)
+        request_field(p, "generation", int)
         node.last_seen = self._clock()
         promotions, node.promotions = node.promotions, []
-        return {"state": self.state.value, "generation": self.generation, "reason": self.reason,
-                "promotions": promotions, "lost": sorted(n.address for n in self.nodes.values() if n.lost and n.address)}
+        ranks = {self.holders[r]: r for r, owner in self.members.items() if owner == node.node_rank}
+        answer = {"state": self.state.value, "generation": self.generation, "reason": self.reason,
+                  "promotions": promotions, "ranks": ranks, "lost": sorted(n.address for n in self.nodes.values() if n.lost and n.address)}
+        if self.state is JobState.PREEMPTED:  # the controller's node stops once every node's ranks saved
+            answer["finished"] = self._finished()
+        return answer
 
     def _member_rank(self, p: dict, node: NodeRecord) -> int:
-        rank = _field(p, "rank", int)
+        """The rank a request is about: the one its ``holder`` holds when given (ranks are renumbered by
+        scale events, a process's holder id never changes), else ``rank``."""
+        holder = p.get("holder")
+        rank = next((r for r, h in self.holders.items() if h == holder), None) if isinstance(holder, str) else None
+        if rank is None:
+            rank = request_field(p, "rank", int)
         if self.members.get(rank) != node.node_rank:
             raise Refused(403, f"rank {rank} is not held by node {node.node_rank}")
         return rank
@@ -308,7 +343,9 @@ class Controller:
         exitcode, signal_name = p.get("exitcode"), p.get("signal")
         who = f"rank {rank} (node {node.node_rank}, pid {p.get('pid')})"
         cause = describe_exit(exitcode, signal_name if isinstance(signal_name, str) else None)
-        spare = self.spares.pick(node.node_rank)
+        spare = self._pick_spare(node.node_rank)
+        if spare is None and (answer := self._without_spare([rank], cause)) is not None:
+            return answer
         if spare is not None:
             ready = self._give(rank, spare)
             self._bump("spare_promoted", rank=rank, spare=spare, cause=cause)
@@ -319,8 +356,8 @@ class Controller:
                     "generation": self.generation}
         if self.restarts < self.config.max_restarts:
             self.restarts += 1
-            attempt = self.rank_restarts[rank] = self.rank_restarts.get(rank, 0) + 1
-            self.holders[rank] = worker_holder(rank, attempt)
+            self.rank_restarts[rank] = self.rank_restarts.get(rank, 0) + 1
+            self.holders[rank] = restarted_holder(self.holders[rank])
             self._bump("worker_restart", rank=rank, cause=cause)
             self._log(Decision.RESTART_WORKER, rank=rank, node_rank=node.node_rank, cause=cause, restarts=self.restarts)
             return {"action": FailureAction.RESTART, "generation": self.generation, "rank": rank,
@@ -332,6 +369,15 @@ class Controller:
             spent = f"no spare left ({len(self.spares.seen)} started) and {spent}"
         self._fail(f"{who} {cause}{detail}; {spent}")
         return {"action": FailureAction.STOP, "reason": self.reason, "generation": self.generation}
+
+    def _pick_spare(self, node_rank: int) -> str | None:
+        """The spare that takes a dead rank of ``node_rank`` (None: none can)."""
+        return self.spares.pick(node_rank)
+
+    def _without_spare(self, ranks: list[int], cause: str) -> dict | None:
+        """``ranks`` died and no spare can take them: an elastic controller shrinks the job instead (its
+        answer); None: the fixed-size rungs (restart the process, else stop the job)."""
+        return None
 
     def _give(self, rank: int, spare: str) -> bool:
         """Hand ``rank`` to a free spare (before the generation bump); returns whether it was ready."""
@@ -375,8 +421,15 @@ class Controller:
         return {"action": FailureAction.REFORM, "generation": self.generation}
 
     def _spare_failed(self, p: dict) -> dict:
+        """A spare process died. One given a rank since its agent's last heartbeat is a dead rank: answered
+        as ``worker_failed`` (its agent acts on the decision); a free one is only struck off."""
         node = self._node(p)
-        spare = _field(p, "spare", str)
+        spare = request_field(p, "spare", str)
+        holder = spare_holder(spare)
+        rank = next((r for r, h in self.holders.items() if h == holder), None)
+        if rank is not None and self.members.get(rank) == node.node_rank and self.state is JobState.RUNNING:
+            return {"rank": rank, **self._worker_failed({**p, "rank": rank, "holder": holder,
+                                                         "generation": self.generation})}
         if self.free_spares.get(spare) == node.node_rank:
             self.spares.take(spare)
             self._log(Decision.SPARE_LOST, spare=spare, node_rank=node.node_rank)
@@ -386,7 +439,7 @@ class Controller:
         """An agent started a new hot spare (replacing a promoted one): it is free for any rank."""
         node = self._node(p)
         self._require_running()
-        spare = _field(p, "spare", str)
+        spare = request_field(p, "spare", str)
         if (problem := self.spares.invalid_new(spare, node.node_rank)) is not None:
             raise Refused(*problem)
         self.spares.add(spare, node.node_rank)
@@ -397,7 +450,7 @@ class Controller:
         """A spare finished starting (sent by the spare itself): it goes before spares still starting.
         One promoted meanwhile, or lost, is answered ``ready: false`` and changes nothing."""
         node = self._node(p)
-        spare = _field(p, "spare", str)
+        spare = request_field(p, "spare", str)
         ready = self.spares.mark_ready(spare, node.node_rank)
         if ready:
             self._log(Decision.SPARE_READY, spare=spare, node_rank=node.node_rank)
@@ -407,10 +460,19 @@ class Controller:
         node = self._fence(p)
         node.done = True
         self._log(Decision.NODE_DONE, node_rank=node.node_rank)
-        if self.state is JobState.RUNNING and all(n.done or n.lost for n in self.nodes.values()):
+        if self.state is JobState.RUNNING and self._finished():
             self.state = JobState.SUCCEEDED
             self._log(Decision.JOB_SUCCEEDED)
         return {"state": self.state.value}
+
+    def _finished(self) -> bool:
+        """Whether every rank's work is done: each node holding a rank finished (or was lost)."""
+        holding = set(self.members.values()) or set(self.nodes)
+        return all(self.nodes[n].done or self.nodes[n].lost for n in holding)
+
+    def _not_elastic(self, p: dict) -> dict:
+        raise Refused(409, "this job has a fixed size: start it with `hp run --nnodes MIN:MAX --scaling-policy FILE` "
+                           "to scale it")
 
     def _node_stopping(self, p: dict) -> dict:
         node = self._node(p)

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 import pluggy
 
 if TYPE_CHECKING:
+    from hp.core.scaling import Scaler
     from hp.core.scheduler import SchedulerBackend
     from hp.core.services import NodeService
     from hp.core.store import StoreBackend
@@ -85,6 +86,20 @@ def hp_node_services() -> list[NodeService]:
     See :class:`hp.core.services.NodeService`.
 
     :return: a list of node service instances, each with a unique ``name``.
+    """
+
+
+@hookspec(firstresult=True)
+def hp_scaler(policy: str) -> Scaler | None:
+    """Build the scaling decision of an elastic job from ``hp run --scaling-policy FILE`` (firstresult).
+
+    Implemented by ``hp-elastic`` (a ``ScalingPolicy`` read from the YAML file ``policy``). The
+    controller asks the returned :class:`hp.core.scaling.Scaler` for a target world size when a rank
+    dies with no spare left, when a node is preempted and when capacity changes; hp-core never imports
+    the implementation. Raise :class:`hp.core.errors.UsageError` for a bad policy (one line, exit 2).
+
+    :param policy: the path given to ``--scaling-policy``.
+    :return: a :class:`hp.core.scaling.Scaler`, or None to let another plugin answer.
     """
 
 

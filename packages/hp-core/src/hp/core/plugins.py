@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pluggy
 
 from hp.core import hookspecs
-from hp.core.errors import UnknownBackendError
+from hp.core.errors import UnknownBackendError, UsageError
 from hp.core.hookspecs import PROJECT_NAME
+
+if TYPE_CHECKING:
+    from hp.core.scaling import Scaler
 
 ENTRY_POINT_GROUP = "hp"
 
@@ -117,3 +120,12 @@ def _cli_commands(pm: pluggy.PluginManager) -> list[BackendInfo]:
         dist = _dist_of(pm, impl.plugin)
         infos += [BackendInfo("cli", name, dist) for name in sub.choices]
     return infos
+
+
+def load_scaler(policy: str, pm: pluggy.PluginManager | None = None) -> Scaler:
+    """The scaling decision of an elastic job (``hp run --scaling-policy FILE``), from the plugin that
+    implements ``hp_scaler`` (hp-elastic); a :class:`UsageError` when none does or the policy is bad."""
+    scaler = (pm or get_plugin_manager()).hook.hp_scaler(policy=policy)
+    if scaler is None:
+        raise UsageError("--scaling-policy needs a plugin implementing hp_scaler: pip install hp-elastic")
+    return scaler

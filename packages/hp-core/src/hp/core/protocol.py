@@ -40,6 +40,9 @@ class ProtocolError(HpError, ValueError):
 # ---- store keys ---------------------------------------------------------------------------
 GENERATION_KEY = "hp/generation"  # the newest generation; published after that generation's plan
 STATE_NBYTES_KEY = "hp/state_nbytes"  # size of a full hydration, published by rank 0 after its first commit
+# the last step, set by the ranks that finished the training loop: a process still waiting to join a
+# generation (a grow decided during the last steps) will find nobody to form it with, and leaves
+FINISHED_KEY = "hp/finished"
 
 
 def plan_key(generation: int) -> str:
@@ -62,10 +65,29 @@ def arrive_prefix(generation: int) -> str:
     return f"hp/arrive/{generation}/"
 
 
+# why a generation was made (``Plan.why``) when it changes the world size: a process whose holder is not
+# in such a plan was scaled out and leaves the job (exit 0), instead of being fenced out as a stale one
+RESIZES = frozenset({"shrink", "grow", "preempt", "scale"})
+
+
+# the environment variable through which ``hp run --scaling-policy FILE`` tells its workers the policy file
+SCALING_POLICY_ENV = "HP_SCALING_POLICY"
+
+
 # ---- process ids --------------------------------------------------------------------------
 def worker_holder(rank: int, attempt: int) -> str:
     """Id of the process holding ``rank`` after ``attempt`` restarts."""
     return f"r{rank}.{attempt}"
+
+
+def restarted_holder(holder: str) -> str:
+    """Id of the process restarted in place of ``holder`` (``r1.0`` -> ``r1.1``, ``spare.n0s0`` ->
+    ``spare.n0s0.1``): derived from the process it replaces, never from its rank, which scale events
+    renumber, so no two processes of a job ever share an id."""
+    head, _, tail = holder.rpartition(".")
+    if head and tail.isdigit():
+        return f"{head}.{int(tail) + 1}"
+    return f"{holder}.1"
 
 
 def spare_id(node_rank: int, index: int) -> str:
@@ -86,6 +108,10 @@ class JobState(StrEnum):
     RUNNING = "running"
     SUCCEEDED = "succeeded"
     FAILED = "failed"
+    # the job is preempted and cannot go on at any size: every rank abandons its step, saves its last
+    # committed step through the job's checkpoint (the tiered-checkpoint rung) and exits; a restart
+    # resumes from that step
+    PREEMPTED = "preempted"
 
 
 class Verb(StrEnum):
@@ -101,6 +127,8 @@ class Verb(StrEnum):
     SPARE_READY = "spare_ready"  # sent by the spare itself
     NODE_DONE = "node_done"
     NODE_STOPPING = "node_stopping"
+    NODE_LEAVING = "node_leaving"  # graceful preemption: the node's ranks leave at a step boundary
+    SCALE = "scale"  # an operator (``hp scale``) or a capacity source sets the job's capacity
     STATE = "state"
 
 
@@ -112,7 +140,13 @@ class FailureAction(StrEnum):
     RESTART = "restart"  # restart the worker process
     REFORM = "reform"  # same membership, new generation: recover in process
     EXIT = "exit"  # the rank failed too often: its process exits, to be replaced
+    SHRINK = "shrink"  # no spare: the job goes on without the rank (elastic), at a smaller world size
+    LEAVE = "leave"  # graceful preemption granted: the node's ranks leave at the next step boundary
+    SAVE = "save"  # the whole job is preempted (JobState.PREEMPTED): its ranks save, then exit
     STOP = "stop"  # the job failed
+
+
+EXIT_PREEMPTED = 128 + 15  # hp run's exit status for a job stopped by preemption (what SIGTERM's would be)
 
 
 class Event(StrEnum):
@@ -130,6 +164,8 @@ class Event(StrEnum):
     FENCED_OUT = "fenced_out"
     FINAL_STATE = "final_state"  # per-rank digests of the final training state
     HYDRATED = "hydrated"
+    LEFT = "left"  # this rank left the job gracefully (preempted, or scaled in): not a failure
+    PREEMPT_SAVED = "preempt_saved"  # the job was preempted: this rank saved its last committed step
     IMPORTED = "imported"
     MODEL_READY = "model_ready"
     ORPHANED = "orphaned"
@@ -139,6 +175,7 @@ class Event(StrEnum):
     REFORM_FAILED = "reform_failed"
     RELEASED = "released"
     RESTORED = "restored"
+    RESCALING = "rescaling"  # a planned re-form at a step boundary (grow, preemption) starts
     RESUMED = "resumed"
     SHARD_REBUILT = "shard_rebuilt"
     SPARE_READY = "spare_ready"
@@ -157,6 +194,11 @@ class Decision(StrEnum):
     RESTART_WORKER = "restart_worker"
     ESCALATE = "escalate"
     NODE_LOST = "node_lost"
+    SHRINK = "shrink"
+    GROW = "grow"
+    PREEMPT = "preempt"
+    PREEMPT_JOB = "preempt_job"  # the job cannot go on without the leaving node: save and stop
+    CAPACITY = "capacity"
     SPARE_ADDED = "spare_added"
     SPARE_READY = "spare_ready"
     SPARE_LOST = "spare_lost"
@@ -198,7 +240,10 @@ class Plan:
 
     ``state`` is a :class:`JobState` value (a worker stops on any but ``running``), ``reason`` why the
     job failed, ``holders`` the id of the process holding each rank (any other is fenced out), ``why``
-    what made this generation."""
+    what made this generation. A process finds its rank by its holder id (:meth:`rank_of`): a scale
+    event renumbers the ranks. ``at_boundary``: a planned change (grow, graceful preemption): the
+    ranks of the previous generation finish the step they are in and re-form after its commit, instead
+    of abandoning it; a process whose holder is no longer in the plan then leaves the job."""
 
     generation: int
     world_size: int
@@ -206,10 +251,15 @@ class Plan:
     reason: str
     holders: dict[int, str]
     why: str = ""
+    at_boundary: bool = False
+
+    def rank_of(self, holder: str) -> int | None:
+        """The rank ``holder`` holds in this generation (None: it holds none)."""
+        return next((r for r, h in self.holders.items() if h == holder), None)
 
     def to_json(self) -> str:
         return json.dumps({"generation": self.generation, "world_size": self.world_size, "why": self.why,
-                           "state": self.state, "reason": self.reason,
+                           "state": self.state, "reason": self.reason, "at_boundary": self.at_boundary,
                            "holders": {str(r): h for r, h in self.holders.items()}})
 
     @classmethod
@@ -225,7 +275,8 @@ class Plan:
         if not all(isinstance(r, str) and r.isascii() and r.isdigit() and isinstance(h, str) for r, h in holders.items()):
             raise ProtocolError(f"malformed {what}: 'holders' must map decimal ranks to process ids")
         return cls(generation, _count(value, "world_size", what), JobState(state), _get(value, "reason", str, what),
-                   {int(r): h for r, h in holders.items()}, _get(value, "why", str, what, default=""))
+                   {int(r): h for r, h in holders.items()}, _get(value, "why", str, what, default=""),
+                   _get(value, "at_boundary", bool, what, default=False))
 
 
 @dataclass(frozen=True)

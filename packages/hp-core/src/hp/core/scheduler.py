@@ -24,6 +24,7 @@ class Capacity:
     hosts: int  # hosts the job could run on
     slots_per_host: int  # worker processes one host can hold
     preemption_requested: bool = False  # the scheduler wants capacity back
+    replicas: int | None = None  # ranks an elastic job may use now (None: the scheduler does not say)
 
 
 class SchedulerBackend:
@@ -36,8 +37,8 @@ class SchedulerBackend:
         """Host names currently allocated to the job."""
         raise NotImplementedError
 
-    def capacity(self) -> Capacity:
-        """Current capacity signal."""
+    def capacity(self, source: str | None = None) -> Capacity:
+        """Current capacity signal. ``source``: where the backend reads it (``hp run --capacity-file``)."""
         raise NotImplementedError
 
     _runner = None
@@ -77,11 +78,24 @@ class LocalScheduler(SchedulerBackend):
     def hosts(self) -> list[str]:
         return [socket.gethostname()]
 
-    def capacity(self) -> Capacity:
+    def capacity(self, source: str | None = None) -> Capacity:
+        """``source``: a file holding the number of ranks the job may use (what a user or a test sets, so
+        every elastic path runs on one machine); missing or unreadable: no figure."""
         import torch
 
         gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        return Capacity(hosts=1, slots_per_host=gpus or (os.cpu_count() or 1))
+        return Capacity(hosts=1, slots_per_host=gpus or (os.cpu_count() or 1), replicas=_read_count(source))
+
+
+def _read_count(path: str | None) -> int | None:
+    if path is None:
+        return None
+    try:
+        with open(path, "rb") as f:
+            text = f.read(32).strip()  # a number of ranks: anything longer is not one
+    except OSError:
+        return None
+    return int(text) if text.isdigit() and len(text) <= 9 else None
 
 
 @hookimpl

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import os
 import signal
 import socket
@@ -9,6 +10,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 HP = [sys.executable, "-m", "hp.core.cli"]
 
@@ -47,18 +49,45 @@ class Launched:
             self.proc.communicate()
 
 
-def kill_tagged(tag: str) -> None:
-    """SIGKILL every process whose environment holds ``tag``: workers live in sessions of their
-    own, so killing the agent's process group alone could leave them behind."""
-    needle = tag.encode() + b"\0"
+def tagged_pids(tag: str) -> list[int]:
+    """Every live process (but this one) whose environment holds ``tag``."""
+    needle, found = tag.encode() + b"\0", []
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit() or int(entry.name) == os.getpid():
             continue
         try:
             if needle in (entry / "environ").read_bytes():
-                os.kill(int(entry.name), signal.SIGKILL)
-        except (OSError, ProcessLookupError):
+                found.append(int(entry.name))
+        except OSError:
             pass
+    return found
+
+
+def kill_tagged(tag: str) -> None:
+    """SIGKILL every process whose environment holds ``tag``: workers live in sessions of their
+    own, so killing the agent's process group alone could leave them behind."""
+    for pid in tagged_pids(tag):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def replaced(raw: dict, path: str, value: Any) -> dict:
+    """A deep copy of ``raw`` with the value at a dotted path (``faults.1.duration_s``) replaced;
+    ``...`` deletes it. For bad-input tests of nested configs."""
+    raw = copy.deepcopy(raw)
+    *parents, last = path.split(".")
+    node: Any = raw
+    for p in parents:
+        node = node[int(p)] if isinstance(node, list) else node[p]
+    if value is ...:
+        del node[int(last) if isinstance(node, list) else last]
+    elif isinstance(node, list):
+        node[int(last)] = value
+    else:
+        node[last] = value
+    return raw
 
 
 def wait_for(predicate, timeout: float = 60, what: str = "condition") -> None:
@@ -81,3 +110,28 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def run_ranks(argv: list[str], world: int, timeout_s: float, what: str, env: dict[str, str] | None = None) -> None:
+    """Run ``python ARGV... RANK WORLD PORT`` as ``world`` processes (one free port for their store), each
+    in its own session; raise AssertionError naming the failed ranks (with their output's tail), or when
+    they do not all finish within ``timeout_s``; kill every one still running whatever happens."""
+    port = free_port()
+    procs = [subprocess.Popen([sys.executable, *argv, str(r), str(world), str(port)], env=env or dict(os.environ),
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+             for r in range(world)]
+    try:
+        deadline = time.monotonic() + timeout_s
+        logs = []
+        for p in procs:
+            try:
+                logs.append(p.communicate(timeout=max(1.0, deadline - time.monotonic()))[0])
+            except subprocess.TimeoutExpired:
+                raise AssertionError(f"{what}: ranks did not finish in {timeout_s:g} s") from None
+        bad = [(r, p.returncode, log[-3000:]) for r, (p, log) in enumerate(zip(procs, logs)) if p.returncode]
+        assert not bad, f"{what}: ranks failed: {bad}"
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()

@@ -53,13 +53,18 @@ class TransportBackend:
         import torch.distributed as dist
 
         self.check_available()
-        dist.init_process_group(
-            self.torch_backend,
-            store=dist.PrefixStore(generation_prefix(generation), store),
-            rank=rank,
-            world_size=world_size,
-            timeout=timeout,
-        )
+        try:
+            dist.init_process_group(
+                self.torch_backend,
+                store=dist.PrefixStore(generation_prefix(generation), store),
+                rank=rank,
+                world_size=world_size,
+                timeout=timeout,
+            )
+        except BaseException:
+            if not dist.is_initialized():
+                _forget_failed_group()
+            raise
 
     def abort(self) -> None:
         """Tear down the default process group of a failed generation so that peers blocked in
@@ -71,6 +76,16 @@ class TransportBackend:
 
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _forget_failed_group() -> None:
+    """A failed init used up a group name (torch names groups by a process-wide counter that only
+    destroying an *initialised* default group resets), so this process's next group would rendezvous
+    under a name a fresh process does not use, and both would wait on each other's keys until timeout.
+    torch has no public reset: this is what ``destroy_process_group`` does to the counter."""
+    from torch.distributed import distributed_c10d
+
+    distributed_c10d._world.group_count = 0
 
 
 class GlooTransport(TransportBackend):

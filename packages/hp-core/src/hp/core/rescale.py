@@ -1,0 +1,194 @@
+"""The elastic controller: the job's world size follows failures, preemptions and capacity.
+
+An :class:`ElasticController` is the job controller (:mod:`hp.core.controller`) of a job started with a
+scaling policy (``hp run --nnodes MIN:MAX --scaling-policy FILE``). It adds the scale events; the
+decision of each (the target world size) is the :class:`hp.core.scaling.Scaler`'s, hp-core only acts on it:
+
+- **shrink**: a rank dies and no spare can take it: the job re-forms without it (the survivors abandon
+  the step and replay it at the smaller size), while the target stays within the policy; else the
+  fixed-size rungs (restart the process, stop the job) as before. Its agent starts a new process in the
+  freed slot, which joins as a *joiner* spare (below): the job grows back once it is ready.
+- **grow**: ready *joiners* (the processes of a node that joined the running job, or the replacement
+  of a dead rank; a node's joiners once all of them are ready) take new ranks after the highest one,
+  at the next step boundary (``at_boundary``):
+  the ranks finish the step they are in, re-form, and the joiners hydrate from peers.
+- **preemption** (``node_leaving``: SIGTERM to an agent): the node's ranks leave at the next step
+  boundary and exit 0; never a failure. Where the job cannot go on without the node (below the policy's
+  minimum, or the node hosts the controller) the whole job is preempted instead (``JobState.PREEMPTED``):
+  every rank saves its last committed step through the job's checkpoint and exits; a restart resumes there.
+- **capacity** (``scale``: ``hp scale --replicas N``): the job shrinks to (gracefully, highest ranks
+  first) or grows into N ranks.
+
+Every change renumbers ranks stably (:func:`hp.core.scaling.renumber`): processes find their rank in
+the plan by their holder id. Pure like the base class: clock and publish are injected.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable
+
+from hp.core.controller import Controller, ControllerConfig, Refused, request_field
+from hp.core.protocol import Decision, FailureAction, JobState, Verb, spare_holder, spare_id
+from hp.core.scaling import CAPACITY, FAILURE, PREEMPTION, Scaler, ScaleEvent, renumber
+
+
+class ElasticController(Controller):
+    def __init__(self, config: ControllerConfig, scaler: Scaler, clock: Callable[[], float] = time.monotonic,
+                 publish: Callable[[str, str], None] | None = None) -> None:
+        super().__init__(config, clock, publish)
+        self.scaler = scaler
+        self.capacity: int | None = None  # ranks the cluster gives the job (None: as many as the policy allows)
+        self.joiners: set[str] = set()  # spares waiting to grow the job (not kept in reserve for failures)
+        self._handlers[Verb.SCALE] = self._scale
+        self._handlers[Verb.NODE_LEAVING] = self._node_leaving
+
+    def snapshot(self) -> dict:
+        return {**super().snapshot(), "world_size": len(self.members), "capacity": self.capacity,
+                "joiners": sorted(self.joiners), "min_replicas": self.scaler.min_replicas,
+                "max_replicas": self.scaler.max_replicas}
+
+    # ---- membership changes ---------------------------------------------------------------
+    def _available(self, world: int) -> int:
+        """Ranks the job could run with now: its own plus the ready joiners, within the capacity."""
+        self.joiners.intersection_update(self.spares.free)  # promoted in a failure, died, or lost meanwhile
+        ready = sum(1 for s in self.joiners if s in self.spares.ready)
+        return min(world + ready, self.capacity if self.capacity is not None else world + ready)
+
+    def _resize(self, leaving: set[int], joining: list[str], why: str, decision: Decision,
+                at_boundary: bool, **details: Any) -> None:
+        """Re-number the ranks without ``leaving`` and with the spares ``joining``, in one new generation."""
+        world = len(self.members)
+        nodes = [self.spares.take(s) for s in joining]
+        self.joiners.difference_update(joining)
+        holders, members, moved = renumber(self.holders, self.members, leaving,
+                                           [(spare_holder(s), n) for s, n in zip(joining, nodes)])
+        self.holders, self.members = holders, members
+        self.rank_exceptions = {moved[r]: c for r, c in self.rank_exceptions.items() if r in moved}
+        self.rank_restarts = {moved[r]: c for r, c in self.rank_restarts.items() if r in moved}
+        self._log(decision, old_world=world, world_size=len(members), leaving=sorted(leaving), joining=joining,
+                  **details)
+        self._bump(why, at_boundary=at_boundary)
+        for rank, spare in enumerate(joining, start=len(members) - len(joining)):
+            self._announce(rank, spare, True, None, why)
+
+    def _pick_spare(self, node_rank: int) -> str | None:
+        """Only a ready spare takes a dead rank: waiting for one still starting would hold every rank for
+        its imports, while shrinking now and growing into it once ready costs one re-form."""
+        spare = super()._pick_spare(node_rank)
+        return spare if spare in self.spares.ready else None
+
+    def _without_spare(self, ranks: list[int], cause: str) -> dict | None:
+        world = len(self.members)
+        target = self.scaler.target(world, self._available(world), ScaleEvent(FAILURE, len(ranks)))
+        if target.world is None or target.world >= world:
+            self._log(Decision.ESCALATE, ranks=ranks, reason=target.reason)
+            return None
+        # a unit larger than one drops healthy ranks too (the highest): they leave at once
+        extra = [r for r in sorted(self.members, reverse=True) if r not in ranks][:world - len(ranks) - target.world]
+        self._resize({*ranks, *extra}, [], "shrink", Decision.SHRINK, False, ranks=ranks, cause=cause,
+                      reason=target.reason)
+        return {"action": FailureAction.SHRINK, "generation": self.generation, "world_size": len(self.members)}
+
+    def _maybe_grow(self) -> None:
+        """Ready joiners take new ranks if the policy lets the job grow into them."""
+        if self.state is not JobState.RUNNING or any(self.nodes[n].done for n in self.members.values()):
+            return  # ranks that finished the job's last step will form no new generation
+        world = len(self.members)
+        self._available(world)  # prunes the joiners
+        # a node's joiners grow the job together (one re-form, not one per process as each gets ready)
+        starting = {self.spares.free[s] for s in self.joiners if s not in self.spares.ready}
+        ready = [s for s in self.spares.order() if s in self.joiners and s in self.spares.ready
+                 and self.spares.free[s] not in starting]
+        if not ready:
+            return
+        target = self.scaler.target(world, self._available(world), ScaleEvent(CAPACITY))
+        if target.world is not None and target.world > world:
+            self._resize(set(), ready[:target.world - world], "grow", Decision.GROW, True, reason=target.reason)
+
+    # ---- handlers (with the lock held) ------------------------------------------------------
+    def _join(self, p: dict) -> dict:
+        """During the rendezvous as a fixed-size job; later, a node joins as spares that grow the job."""
+        if self.state is JobState.RENDEZVOUS:
+            return super()._join(p)
+        self._require_running()
+        node = self._join_request(p)
+        known = self.nodes.get(node.node_rank)
+        if known is not None and known.rank_offset == -1 and not (known.done or known.lost) \
+                and (known.nproc, known.host, known.spares) == (node.nproc, node.host, node.spares):
+            return {"joined": True}  # the same late join again (its first answer was lost)
+        if known is not None and not (known.done or known.lost):
+            raise Refused(409, f"node_rank {node.node_rank} is already in the job (from {known.host})")
+        used = [int(s.rpartition("s")[2]) for s in self.spares.seen if s.startswith(spare_id(node.node_rank, 0)[:-1])]
+        base = max(used, default=-1) + 1
+        node.rank_offset, node.last_seen = -1, self._clock()
+        node.spare_ids = [spare_id(node.node_rank, base + i) for i in range(node.nproc + node.spares)]
+        for i, sid in enumerate(node.spare_ids):
+            self.spares.add(sid, node.node_rank)
+            if i < node.nproc:
+                self.joiners.add(sid)
+        self.nodes[node.node_rank] = node
+        self._log(Decision.JOIN, node_rank=node.node_rank, host=node.host, nproc=node.nproc, spares=node.spares,
+                  late=True)
+        return {"joined": True}
+
+    def _spare_added(self, p: dict) -> dict:
+        answer = super()._spare_added(p)
+        if p.get("joiner") is True:  # the replacement of a rank the job shrank without
+            self.joiners.add(p["spare"])
+        return answer
+
+    def _spare_ready(self, p: dict) -> dict:
+        answer = super()._spare_ready(p)
+        if answer["ready"]:
+            self._maybe_grow()
+        return answer
+
+    def _scale(self, p: dict) -> dict:
+        """The capacity is ``replicas`` ranks now: shrink to it (highest ranks leave at a step boundary)
+        or grow into it (with ready joiners)."""
+        self._require_running()
+        replicas = request_field(p, "replicas", int)
+        if replicas < 0:
+            raise Refused(400, f"replicas must be >= 0, got {replicas}")
+        world = len(self.members)
+        target = self.scaler.target(world, min(replicas, self._available(world)), ScaleEvent(CAPACITY))
+        if target.world is None:
+            raise Refused(409, f"cannot scale to {replicas}: {target.reason}")
+        self.capacity = replicas
+        self._log(Decision.CAPACITY, replicas=replicas, world_size=world)
+        if target.world < world:
+            leaving = set(sorted(self.members)[target.world:])
+            self._resize(leaving, [], "scale", Decision.PREEMPT, True, reason=target.reason)
+        else:
+            self._maybe_grow()
+        return {"generation": self.generation, "world_size": len(self.members), "capacity": replicas}
+
+    def _node_leaving(self, p: dict) -> dict:
+        """Graceful preemption of a node (its agent got SIGTERM): its ranks leave at the next step boundary.
+        Answers ``leave``; or ``save`` when the job cannot go on without the node (below the policy's
+        minimum, or the node hosts the controller): the job is preempted and saves its last committed step."""
+        node = self._node(p)
+        if self.state is JobState.PREEMPTED:
+            return self._preempt_job(self.reason)  # another node already took the job down: it saves
+        self._require_running()
+        if p.get("hosts_controller") is True:  # the controller goes with this node: the job cannot go on
+            return self._preempt_job(f"node {node.node_rank}, which hosts the controller, is preempted")
+        ranks = {r for r, owner in self.members.items() if owner == node.node_rank}
+        world = len(self.members)
+        if ranks:
+            target = self.scaler.target(world, self._available(world) - len(ranks), ScaleEvent(PREEMPTION, len(ranks)))
+            if target.world is None:
+                return self._preempt_job(f"node {node.node_rank} is preempted and {target.reason}")
+            extra = [r for r in sorted(self.members, reverse=True) if r not in ranks][:world - len(ranks) - target.world]
+            ranks |= set(extra)
+        node.done = True  # gone by agreement: never declared lost, never waited for
+        dropped = sorted(s for s, owner in self.spares.free.items() if owner == node.node_rank)
+        self.spares.drop_nodes({node.node_rank})
+        self.joiners.intersection_update(self.spares.free)
+        if ranks:
+            self._resize(ranks, [], "preempt", Decision.PREEMPT, True, node_rank=node.node_rank)
+        self._maybe_grow()  # ready joiners waiting at the maximum take the freed places
+        # the agent stops these; a spare of the node promoted since its last heartbeat leaves like its ranks
+        return {"action": FailureAction.LEAVE, "generation": self.generation, "world_size": len(self.members),
+                "spares": dropped}
