@@ -18,14 +18,16 @@ from hp.tiered_ckpt.sources import sources_for
 from hp.tiered_ckpt.writer import TieredWriter
 
 
-def save(state_dict: dict, step: int, cfg: TieredConfig) -> bool:
-    """Checkpoint ``state_dict`` as ``step`` if the config's frequencies say so; returns whether it did.
+def save(state_dict: dict, step: int, cfg: TieredConfig, force: bool = False) -> bool:
+    """Checkpoint ``state_dict`` as ``step`` if the config's frequencies say so (``force``: whatever they
+    say, persisted too where a persistent tier is configured: a preempted job's last save); returns
+    whether it did.
 
     Blocks only for the copy into the node daemon's staging memory (plus DCP's planning
     collectives); persistence happens later, in the daemon.
     """
-    persist = cfg.persist_url is not None and step % cfg.persist_every == 0
-    if step % cfg.memory_every != 0 and not persist:
+    persist = cfg.persist_url is not None and (force or step % cfg.persist_every == 0)
+    if step % cfg.memory_every != 0 and not persist and not force:
         return False
     try:
         # no plan caching: DCP's cache is per process, so after a rank was replaced (checkpointless

@@ -25,8 +25,8 @@ class TieredRung:
         return step % self.cfg.memory_every == 0 or (
             self.cfg.persist_url is not None and step % self.cfg.persist_every == 0)
 
-    def save(self, state_dict: dict[str, torch.Tensor], step: int) -> None:
-        api.save(state_dict, step, self.cfg)
+    def save(self, state_dict: dict[str, torch.Tensor], step: int, urgent: bool = False) -> None:
+        api.save(state_dict, step, self.cfg, force=urgent)
 
     def load(self, state_dict: dict[str, torch.Tensor], step: int | None = None) -> tuple[int, str] | None:
         if step is None:
