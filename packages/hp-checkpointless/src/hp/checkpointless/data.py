@@ -286,6 +286,26 @@ class Batches:
         return rows[:, :-1].contiguous(), rows[:, 1:].contiguous()
 
 
+class Windows:
+    """A map-style dataset over a :class:`TokenCache`: item i is window i as (inputs, targets), int64
+    [seq] each. For :class:`hp.checkpointless.sampler.StepSampler` (micro-batches at any world size)."""
+
+    def __init__(self, cache: TokenCache, seq: int) -> None:
+        if seq < 1 or len(cache.tokens) < seq + 1:
+            raise ValueError(f"{cache.path}: {len(cache.tokens)} tokens hold no window of {seq + 1}")
+        self.cache, self.seq = cache, seq
+
+    def __len__(self) -> int:
+        return len(self.cache.tokens) // (self.seq + 1)
+
+    def __getitem__(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        import torch
+
+        start = i * (self.seq + 1)
+        row = torch.from_numpy(self.cache.tokens[start:start + self.seq + 1].astype(np.int64))
+        return row[:-1], row[1:]
+
+
 def measure_cold_warm(key: str, n_bytes: int, directory: str | None, seed: int = 0) -> dict[str, float | int]:
     """Cold = generate + tokenize + write the cache (what every restart would redo without it);
     warm = a fresh process-style attach. Removes any previous cache for key first; leaves the new one."""

@@ -11,9 +11,11 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Callable
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
 
 from hp.checkpointless import hydration, ladder, membership, sharded, state
 from hp.checkpointless.events import EventLog
@@ -23,7 +25,7 @@ from hp.checkpointless.registry import TrainingState
 from hp.checkpointless.transaction import StepTransaction
 from hp.core.control_plane import ControlClient
 from hp.core.errors import ControlPlaneError
-from hp.core.protocol import STATE_NBYTES_KEY, Event, FailureAction, JobState, Plan, Verb
+from hp.core.protocol import RESIZES, STATE_NBYTES_KEY, Event, FailureAction, JobState, Plan, Verb
 
 EXIT_ESCALATED = 75  # EX_TEMPFAIL: this rank keeps failing; the agent replaces the process
 
@@ -36,6 +38,7 @@ class Formation:
         self._store, self._controller, self._machine, self._link = store, controller, machine, link
         self._events, self._fire = events, fire
         self._agree: torch.Tensor | None = None  # kept referenced: see group.py
+        self._agree_ring: torch.Tensor | None = None  # the held ring, agreed (kept referenced too)
 
     def join(self, st: TrainingState, tx: StepTransaction, start_generation: int, disarm: Callable[[], None]) -> None:
         """First formation; a hot spare waits here for a rank (``disarm``: a spare never injects faults)."""
@@ -92,11 +95,17 @@ class Formation:
         retrying with the next generation if a peer fails meanwhile."""
         while True:
             plan = membership.wait_for_generation(self._store, minimum, on_slow=on_slow)
+            if plan.state is JobState.PREEMPTED:
+                self._save_for_preemption(st, tx, plan)
             if plan.state is not JobState.RUNNING:
                 raise JobEnded(f"hp: job {plan.state}: {plan.reason}")
             try:
                 self._form(st, tx, plan)
                 return
+            except membership.JobFinished as e:  # a joiner of a grow decided during the last steps
+                self._events.record(Event.LEFT, rank=self.rank, generation=plan.generation, holder=self.holder,
+                                    step=st.committed, why=str(e))
+                raise JobEnded(0) from None
             except sharded.ShardLost as e:
                 self.report("unrecoverable", str(e))
                 raise JobEnded(f"hp: {e}") from None
@@ -109,11 +118,43 @@ class Formation:
                 message = f"re-forming generation {plan.generation} failed: {e}"
                 minimum, on_slow = plan.generation + 1, lambda message=message: self.report("collective", message)
 
+    def _save_for_preemption(self, st: TrainingState, tx: StepTransaction, plan: Plan) -> NoReturn:
+        """The job is preempted (the tiered-checkpoint rung of graceful preemption): the plan keeps every
+        rank, so form its group, agree on the newest committed step (ranks behind hydrate, as in any
+        re-form), save it through the job's checkpoint, urgently, and end. A failure here ends the process:
+        the job restarts from the newest complete checkpoint, an older one."""
+        if st.checkpoint is None:  # the same on every rank: none of them forms
+            if self.rank == 0:
+                print(f"hp: job preempted ({plan.reason}); no checkpoint is registered: nothing saved",
+                      file=sys.stderr, flush=True)
+            raise JobEnded(0)
+        try:
+            self._form(st, tx, plan)  # every rank forms: whether a step was committed is agreed here
+            if st.committed < 0:
+                raise JobEnded(0)
+            ladder.save(st, self.rank, st.committed, urgent=True)
+        except (CollectiveError, membership.Superseded, state.StateTransferError, RuntimeError, CheckpointException) as e:
+            self._events.record(Event.CHECKPOINT_FAILED, rank=self.rank, step=st.committed, error=str(e)[:300])
+            raise JobEnded(f"hp: job preempted; saving step {st.committed} failed: {e}") from None
+        self._events.record(Event.PREEMPT_SAVED, rank=self.rank, step=st.committed, generation=plan.generation)
+        if self.rank == 0:
+            print(f"hp: job preempted ({plan.reason}): saved step {st.committed}; a restart resumes from it",
+                  file=sys.stderr, flush=True)
+        raise JobEnded(0)
+
     def _form(self, st: TrainingState, tx: StepTransaction, plan: Plan) -> None:
-        if plan.holders.get(self.rank) != self.holder:
+        rank = plan.rank_of(self.holder)
+        if rank is None and (plan.at_boundary or plan.why in RESIZES):
+            self._events.record(Event.LEFT, rank=self.rank, generation=plan.generation, holder=self.holder,
+                                step=st.committed, why=plan.why)
+            print(f"hp: rank {self.rank} left the job ({plan.why}, generation {plan.generation})",
+                  file=sys.stderr, flush=True)
+            raise JobEnded(0)
+        if rank is None:
             self._events.record(Event.FENCED_OUT, rank=self.rank, generation=plan.generation, holder=self.holder)
             raise JobEnded(f"hp: fenced out: rank {self.rank} of generation {plan.generation} is held by "
                            f"{plan.holders.get(self.rank)!r}, not by this process ({self.holder!r})")
+        self.rank = rank  # scale events renumber ranks: a process is known by its holder id
         self._machine.forming(plan.generation)
         membership.arrive(self._store, plan.generation, plan.world_size)
         self._link.form(self.rank, plan.world_size, plan.generation)
@@ -121,17 +162,41 @@ class Formation:
         if st.factories is not None:
             st.build_optimizer()
         sh = st.sharded
+        # with a sharded optimizer, the partitioning its shards are in (a scale event changes it)
+        before = sh.partition if sh is not None and sh.version >= 0 else (-1, -1)
+        held_ring = sh.held_ring if sh is not None and sh.version >= 0 else ()
         if sh is not None:
             sh.rebind(self.rank, plan.world_size)
-        # every rank's committed step (row 0) and, with a sharded optimizer, its shard versions (rows 1-3)
-        info = self._agree = torch.zeros(4, plan.world_size, dtype=torch.int64)
+        # every rank's committed step (row 0); with a sharded optimizer its shard versions (rows 1-3)
+        # and the rank and world size of its shard's partitioning (rows 4-5); its node (row 6: the new
+        # partitioning's replication ring puts a rank's buddy on another node) and whether its shard's
+        # partitioning replicates along a ring other than the identity (row 7)
+        info = self._agree = torch.zeros(8, plan.world_size, dtype=torch.int64)
         info[:, self.rank] = torch.tensor([st.committed, sh.version if sh else -1,
-                                           sh.replica_version if sh else -1, tx.grads_step])
+                                           sh.replica_version if sh else -1, tx.grads_step, *before,
+                                           self.node_rank, int(held_ring != sharded.identity(len(held_ring)))])
         self._link.collective(dist.all_reduce, info)
         newest = int(info[0].max())
+        worlds = {w for w in info[5].tolist() if w >= 0}
+        if len(worlds) > 1:  # a reshard's last step ran on some ranks only: they no longer hold the old shards
+            raise sharded.ShardLost(f"ranks hold optimizer shards of different partitionings (world sizes "
+                                    f"{sorted(worlds)}): the sharded state is lost")
+        previous_world, ring = max(worlds, default=-1), ()
+        if previous_world >= 0 and bool(info[7].any()):
+            # the held partitioning's ring, from its lowest holder (a fresh process or a joiner lacks it)
+            held = self._agree_ring = torch.zeros(previous_world, dtype=torch.int64)
+            if self.rank == int((info[4] >= 0).nonzero()[0]):
+                held.copy_(torch.tensor(held_ring))
+            self._link.collective(dist.all_reduce, held)
+            ring = tuple(held.tolist())
         agreement = hydration.Agreement(
             plan.generation, newest, source=int((info[0] == newest).nonzero()[0]),
-            behind=[r for r in range(plan.world_size) if info[0, r] < newest], versions=sharded.Versions(*info.tolist()))
+            behind=[r for r in range(plan.world_size) if info[0, r] < newest],
+            versions=sharded.Versions(*info[:4].tolist()), previous_world=previous_world,
+            previous_ranks=tuple(info[4].tolist()), ring=ring)
+        if sh is not None:  # the same partitioning keeps its ring; a new one gets a ring across nodes
+            same = previous_world == plan.world_size and not agreement.resharding(plan.world_size)
+            sh.set_ring(ring if same else sharded.node_ring(info[6].tolist()))
         if agreement.behind:
             self._fire(newest, "hydration")
         if newest < 0 and self.restore(st, "job start"):

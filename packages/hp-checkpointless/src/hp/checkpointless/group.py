@@ -5,12 +5,15 @@ is raised *outside* the ``except`` block, so the torch frames that hold the grou
 destroying the group really closes its sockets (a peer blocked in one of its collectives is then
 released); every tensor handed to a collective stays referenced from Python by its owner, so gloo's
 worker threads never need the GIL while the teardown waits for them; and whatever else holds the
-group (a ZeroRedundancyOptimizer) lets go of it first (``on_release``).
+group (a ZeroRedundancyOptimizer) lets go of it first (``on_release``). Forming reads the rendezvous
+keys through :class:`FormingStore`, so a peer that died after the arrival barrier costs a re-form, not
+the group's whole init timeout.
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
@@ -22,6 +25,58 @@ from hp.checkpointless.recovery import CollectiveError, RecoveryMachine
 from hp.core.protocol import Event
 
 
+class FormingStore(dist.Store):
+    """The store a group's init reads its peers' rendezvous keys from: it gives up (``CollectiveError``)
+    as soon as ``abandoned()`` says why (the watch thread saw a newer generation), where the backend
+    would wait out its whole timeout for a peer that died after arriving. Waits block on the store in
+    slices of ``slice_s`` (one request per slice per rank while forming; nothing polls in between)."""
+
+    def __init__(self, store: dist.Store, abandoned: Callable[[], str | None], timeout: timedelta,
+                 slice_s: float = 0.2) -> None:
+        super().__init__()
+        self._store, self._abandoned = store, abandoned
+        self._timeout_s, self._slice = timeout.total_seconds(), timedelta(seconds=slice_s)
+
+    def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
+        limit = self._timeout_s if timeout is None else timeout.total_seconds()
+        deadline = time.monotonic() + limit
+        while True:
+            why = self._abandoned()
+            if why is not None:
+                raise CollectiveError(f"forming the group abandoned: {why}")
+            try:
+                self._store.wait(keys, min(self._slice, timedelta(seconds=max(deadline - time.monotonic(), 0.001))))
+                return
+            except dist.DistStoreError:
+                if time.monotonic() >= deadline:
+                    raise dist.DistStoreError(f"wait timeout after {limit:.0f} s, keys: {keys}") from None
+
+    def get(self, key: str) -> bytes:
+        self.wait([key])
+        return self._store.get(key)
+
+    def set(self, key: str, value: str | bytes) -> None:
+        self._store.set(key, value)
+
+    def add(self, key: str, amount: int) -> int:
+        return self._store.add(key, amount)
+
+    def check(self, keys: list[str]) -> bool:
+        return self._store.check(keys)
+
+    def compare_set(self, key: str, expected: str | bytes, desired: str | bytes) -> bytes:
+        return self._store.compare_set(key, expected, desired)
+
+    def delete_key(self, key: str) -> bool:
+        return self._store.delete_key(key)
+
+    def num_keys(self) -> int:
+        return self._store.num_keys()
+
+    def set_timeout(self, timeout: timedelta) -> None:
+        self._timeout_s = timeout.total_seconds()
+
+
 class GroupLink:
     def __init__(self, transport: Any, store: dist.Store, machine: RecoveryMachine, pg_timeout: timedelta,
                  events: EventLog, on_release: Callable[[], None]) -> None:
@@ -31,22 +86,25 @@ class GroupLink:
         self._lock = threading.Lock()
         self.live = False
         self.rank, self.world_size = -1, 0
+        self._forming_store: FormingStore | None = None
 
     def form(self, rank: int, world_size: int, generation: int) -> None:
         """Initialise the group of ``generation`` (the machine is already FORMING it)."""
+        store = FormingStore(self._store, self._machine.superseded, self._pg_timeout)
         with self._lock:
-            self._transport.init_process_group(self._store, rank, world_size, generation, self._pg_timeout)
+            self._transport.init_process_group(store, rank, world_size, generation, self._pg_timeout)
             self.live = True
+        self._forming_store = store  # the group holds it: kept referenced from Python while the group lives
         self.rank, self.world_size = rank, world_size
 
-    def collective(self, fn: Callable, *args: Any) -> None:
-        """Run ``fn(*args)`` (a collective, or a transfer made of several) on this generation's group;
-        any failure comes out as :class:`CollectiveError`."""
+    def collective(self, fn: Callable, *args: Any, **kwargs: Any) -> None:
+        """Run ``fn(*args, **kwargs)`` (a collective, or a transfer made of several) on this generation's
+        group; any failure comes out as :class:`CollectiveError`."""
         why = self._machine.superseded()
         if why is not None:
             raise CollectiveError(why)
         try:
-            fn(*args)
+            fn(*args, **kwargs)
             return
         except (RuntimeError, ValueError) as e:  # gloo errors, state transfer errors, a destroyed group
             error = f"{getattr(fn, '__name__', 'transfer')} failed in generation {self._machine.generation}: {e}"

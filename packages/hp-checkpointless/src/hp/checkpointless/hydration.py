@@ -2,9 +2,10 @@
 
 Replicated state (DDP-style): every up-to-date rank holds all of it, the lowest one sends it whole.
 Sharded optimizer state (:mod:`hp.checkpointless.sharded`): each missing shard comes from the owner's
-buddy (rolled forward when one step old), the replicated rest (buffers, LR schedule, RNG, extras)
+buddy (the next rank in the ring its replicas were made with) (rolled forward when one step old), the replicated rest (buffers, LR schedule, RNG, extras)
 from the lowest up-to-date rank, each partition's parameters from its owner; then shards are
-replicated again. Every transfer is one checksummed flat buffer (:mod:`hp.checkpointless.state`).
+replicated again. After a scale event that changed the partitioning, the shards are resharded first
+(:mod:`hp.checkpointless.reshard`). Every transfer is one checksummed flat buffer (:mod:`hp.checkpointless.state`).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from hp.checkpointless import sharded, state
+from hp.checkpointless import reshard, sharded, state
 from hp.checkpointless.events import EventLog
 from hp.checkpointless.registry import TrainingState
 from hp.checkpointless.transaction import StepTransaction
@@ -28,6 +29,18 @@ class Agreement:
     source: int  # the lowest rank at ``newest``
     behind: list[int]  # ranks below ``newest``
     versions: sharded.Versions
+    # the sharded optimizer's previous partitioning when a scale event changed it (-1 and (): unchanged):
+    # its world size, and for each new rank the rank it had in it (-1: no shard, e.g. a joiner)
+    previous_world: int = -1
+    previous_ranks: tuple[int, ...] = ()
+    # the replication ring of the partitioning the held shards and replicas are in (the previous one
+    # when resharding), by which each rank's buddy is found; (): the identity (buddy r + 1)
+    ring: tuple[int, ...] = ()
+
+    def resharding(self, world: int) -> bool:
+        """Whether optimizer shards move: another world size, or a survivor with another rank."""
+        return self.previous_world >= 0 and (self.previous_world != world or any(
+            old not in (-1, new) for new, old in enumerate(self.previous_ranks)))
 
 
 def replicated(st: TrainingState, a: Agreement, rank: int, events: EventLog) -> None:
@@ -49,9 +62,32 @@ def replicated(st: TrainingState, a: Agreement, rank: int, events: EventLog) -> 
 def sharded_optimizer(st: TrainingState, tx: StepTransaction, a: Agreement, rank: int,
                       collective: Callable, events: EventLog) -> None:
     """Sharded optimizer: shards come from buddies (rolled forward where one step old), the
-    replicated rest from the source, partitions from their owners; then shards are re-replicated."""
-    sh, v, newest = st.sharded, a.versions, a.newest
-    rebuild = sharded.plan_shard_sources(v, newest)  # ShardLost: the same verdict on every rank
+    replicated rest from the source, partitions from their owners; then shards are re-replicated.
+    After a change of partitioning the shards are resharded, and adopted once the partitions are synced."""
+    sh = st.sharded
+    if a.resharding(sh.world_size):
+        moved = reshard.reshard(sh, tx, a, rank, events)
+    else:
+        moved = None
+        _rebuild_shards(sh, tx, a, rank, events)
+    for r in a.behind:
+        if rank == a.source:
+            state.send_state(st.replicated_part(), r)
+        elif rank == r:
+            st.load_replicated_part(state.recv_state(a.source))
+            _hydrated(st, a, rank, events)
+    # a rank gets past this all-gather only once every rank has received its new partition
+    collective(sh.sync_params)
+    if moved is not None:
+        sh.adopt(moved, a.newest)
+    sh.replicate(rank, collective)
+
+
+def _rebuild_shards(sh: sharded.ShardedOptimizer, tx: StepTransaction, a: Agreement, rank: int,
+                    events: EventLog) -> None:
+    """Same partitioning: each shard behind ``a.newest`` from its buddy, or rolled forward by its owner."""
+    v, newest = a.versions, a.newest
+    rebuild = sharded.plan_shard_sources(v, newest, a.ring)  # ShardLost: the same verdict on every rank
     if sharded.own_roll_forward_needed(v, rank, newest):  # missed the vote of `newest` only
         tx.load_grads()
         sh.local_step(newest)
@@ -64,14 +100,6 @@ def sharded_optimizer(st: TrainingState, tx: StepTransaction, a: Agreement, rank
             rolled = sh.receive_as_replacement(buddy, newest)
             events.record(Event.SHARD_REBUILT, rank=r, step=newest, buddy=buddy, rolled_forward=rolled,
                           generation=a.generation)
-    for r in a.behind:
-        if rank == a.source:
-            state.send_state(st.replicated_part(), r)
-        elif rank == r:
-            st.load_replicated_part(state.recv_state(a.source))
-            _hydrated(st, a, rank, events)
-    collective(sh.sync_params)
-    sh.replicate(rank, collective)
 
 
 def _hydrated(st: TrainingState, a: Agreement, rank: int, events: EventLog) -> None:

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 from torch.distributed.checkpoint.api import CheckpointException
 
-from hp.checkpointless import state
+from hp.checkpointless import sharded, state
 from hp.checkpointless.events import EventLog
 from hp.core.protocol import Event
 
@@ -34,8 +34,9 @@ class JobCheckpoint(Protocol):
     def due(self, step: int) -> bool:
         """Whether committed step ``step`` is to be checkpointed."""
 
-    def save(self, state_dict: dict[str, torch.Tensor], step: int) -> None:
-        """Save ``state_dict`` (a torch.distributed.checkpoint state dict) as ``step``."""
+    def save(self, state_dict: dict[str, torch.Tensor], step: int, urgent: bool = False) -> None:
+        """Save ``state_dict`` (a torch.distributed.checkpoint state dict) as ``step``. ``urgent``: the job
+        is preempted: save whatever :meth:`due` says, into the most durable tier there is."""
 
     def load(self, state_dict: dict[str, torch.Tensor], step: int | None = None) -> tuple[int, str] | None:
         """Load the newest complete checkpoint (or ``step``) into ``state_dict`` in place; returns
@@ -50,11 +51,11 @@ def _parts(st: TrainingState, rank: int) -> dict[str, dict]:
         own = {"rng": replicated.pop("rng")}
     else:
         replicated = {**st.replicated_part(), "model": dict(st.model.state_dict())}
-        own = {"rng": replicated.pop("rng"), "shard": st.sharded.shard()}
+        own = {"rng": replicated.pop("rng"), "shard": st.sharded.shard(), "world": st.sharded.world_size}
     return {"hp.state": replicated, f"hp.rank{rank}": own}
 
 
-def save(st: TrainingState, rank: int, step: int) -> None:
+def save(st: TrainingState, rank: int, step: int, urgent: bool = False) -> None:
     out: dict[str, torch.Tensor] = {}
     for key, part in _parts(st, rank).items():
         skeleton, tensors = state.flatten(part)
@@ -62,7 +63,7 @@ def save(st: TrainingState, rank: int, step: int) -> None:
         flat = state.StateBuffer(skeleton).pack(tensors)
         out.update({f"{key}.sizes": torch.tensor([meta.numel(), flat.numel()]), f"{key}.json": meta,
                     f"{key}.data": flat})
-    st.checkpoint.save(out, step)
+    st.checkpoint.save(out, step, urgent)
 
 
 def save_or_warn(st: TrainingState, rank: int, step: int, events: EventLog) -> None:
@@ -103,6 +104,9 @@ def restore(st: TrainingState, rank: int) -> tuple[int, str] | None:
     if st.sharded is None:
         st.restore(replicated)
     else:
+        if own.get("world") != st.sharded.world_size:  # rank r's shard is another partition at another size
+            raise sharded.ShardLost(f"the checkpoint of step {step} holds optimizer shards for {own.get('world')} ranks, "
+                            f"the job has {st.sharded.world_size}: restart it at that size")
         st.model.load_state_dict(replicated["model"])
         st.load_replicated_part(replicated)
         st.sharded.load_shard(own["shard"])

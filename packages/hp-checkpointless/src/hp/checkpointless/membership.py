@@ -18,12 +18,16 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from hp.core.protocol import (
-    GENERATION_KEY, Plan, SpareAssignment, arrive_prefix, plan_key, spare_key,
+    FINISHED_KEY, GENERATION_KEY, Plan, SpareAssignment, arrive_prefix, plan_key, spare_key,
 )
 
 
 class Superseded(RuntimeError):
     """A newer generation appeared while this one was forming."""
+
+
+class JobFinished(Exception):
+    """The ranks finished the training loop while this process waited to form a generation with them."""
 
 
 def latest_generation(store: dist.Store) -> int:
@@ -78,17 +82,20 @@ def arrive(store: dist.Store, generation: int, world_size: int, poll_s: float = 
     while prefixed.add("count", 0) < world_size:
         if latest_generation(store) > generation:
             raise Superseded(f"generation {generation} superseded while forming")
+        if store.check([FINISHED_KEY]):
+            raise JobFinished(f"the job finished at step {int(store.get(FINISHED_KEY))} before generation "
+                              f"{generation} formed")
         time.sleep(poll_s)
 
 
 class Watch:
     """Background threads: one beats the heartbeat file and ends a process whose agent died (its
-    workers would otherwise train on, or a spare wait, unsupervised); one aborts a superseded process
-    group. Two threads, because a store read can block (a partition, a loaded store host) and a
+    workers would otherwise train on, or a spare wait, unsupervised); one hands each newly published
+    plan to ``on_superseded`` (the runtime stops a step whose group is dead). Two threads, because a store read can block (a partition, a loaded store host) and a
     heartbeat must say only that this process runs, or the agent would kill it as hung."""
 
     def __init__(self, connect: Callable[[], dist.Store], heartbeat_file: str | None,
-                 on_superseded: Callable[[int], None], period_s: float = 0.01, beat_every_s: float = 0.1,
+                 on_superseded: Callable[[Plan], None], period_s: float = 0.01, beat_every_s: float = 0.1,
                  on_orphaned: Callable[[], None] | None = None) -> None:
         self._connect, self._heartbeat_file = connect, heartbeat_file
         self._on_superseded, self._on_orphaned = on_superseded, on_orphaned
@@ -118,11 +125,15 @@ class Watch:
 
     def _watch_loop(self) -> None:
         store = None  # its own connection: store clients are not shared across threads
+        seen = 0
         while not self._stop.wait(self._period):
             try:
                 if store is None:
                     store = self._connect()
-                self._on_superseded(latest_generation(store))
+                latest = latest_generation(store)
+                if latest > seen:  # each new generation's plan is read once
+                    self._on_superseded(read_plan(store, latest))
+                    seen = latest
             except Exception:  # the store is gone at job end; the main thread notices on its own
                 if self._stop.is_set():
                     return

@@ -16,7 +16,9 @@ state                   meaning (and what a failure in it does)
 ``COMMITTING``          hp's collectives of the step (gradient reduction, buffer broadcast, vote); never
                         interrupted midway, a dead peer surfaces as a collective error. Failure: replay
 ``FINISHING``           the vote passed: local optimizer update, scheduler, then post-commit replication.
-                        Failure: the step stands (committed); only peers' copies need repair
+                        Failure: the step stands (committed); only peers' copies need repair. If the
+                        vote said a planned change is due (a grow, a graceful preemption), the rank
+                        re-forms from here (FORMING) before the next step
 ``RECOVERING``          failed: the group is released; waiting for a newer generation to form
 ``CLOSED``              left the job (loop finished, job ended, or fenced out)
 ======================  =================================================================================
@@ -56,7 +58,7 @@ TRANSITIONS: dict[RankState, frozenset[RankState]] = {
     S.FORMING: frozenset({S.COMPUTING, S.RECOVERING, S.CLOSED}),
     S.COMPUTING: frozenset({S.COMMITTING, S.RECOVERING, S.CLOSED}),
     S.COMMITTING: frozenset({S.FINISHING, S.RECOVERING, S.CLOSED}),
-    S.FINISHING: frozenset({S.COMPUTING, S.RECOVERING, S.CLOSED}),
+    S.FINISHING: frozenset({S.COMPUTING, S.FORMING, S.RECOVERING, S.CLOSED}),
     S.RECOVERING: frozenset({S.FORMING, S.CLOSED}),
     S.CLOSED: frozenset({S.CLOSED}),
 }
@@ -76,7 +78,8 @@ class RecoveryMachine:
     def __init__(self) -> None:
         self.state = RankState.IDLE
         self.generation = 0  # of the group this rank is (or was last) in; 0: none yet
-        self.latest = 0  # newest generation the watch thread has seen
+        self.latest = 0  # newest generation the watch thread has seen that abandons the current one
+        self.boundary = 0  # newest planned generation seen (grow, preemption): taken at a step boundary
         self._interrupt_sent = 0  # generation the main thread was last interrupted for
 
     def to(self, new: RankState) -> None:
@@ -114,9 +117,17 @@ class RecoveryMachine:
         return Failure(report="exception" if in_step else None, replay=was is not S.FINISHING, in_step=in_step)
 
     # ---- watch thread -----------------------------------------------------------------------
-    def observe(self, latest: int) -> bool:
+    def boundary_due(self) -> bool:
+        """Whether this rank has seen a planned generation it has not formed yet (its vote says so)."""
+        return self.boundary > self.generation
+
+    def observe(self, latest: int, at_boundary: bool = False) -> bool:
         """The watch thread saw generation ``latest`` published. True: signal the main thread, its
-        step computes for a group that is already dead (once per generation)."""
+        step computes for a group that is already dead (once per generation). A planned generation
+        (``at_boundary``) interrupts nothing: the ranks agree in a commit vote to re-form after it."""
+        if at_boundary:
+            self.boundary = max(self.boundary, latest)
+            return False
         self.latest = max(self.latest, latest)
         if self.state is S.COMPUTING and self.latest > self.generation and self._interrupt_sent < self.latest:
             self._interrupt_sent = self.latest

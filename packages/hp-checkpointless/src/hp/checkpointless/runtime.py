@@ -17,7 +17,7 @@ import os
 import signal
 import sys
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -29,13 +29,16 @@ from hp.checkpointless.faults import FaultPlan
 from hp.checkpointless.formation import Formation
 from hp.checkpointless.group import GroupLink
 from hp.checkpointless.recovery import CollectiveError, JobEnded, RankState, RecoveryMachine
+from hp.checkpointless.reduction import Reduction
 from hp.checkpointless.registry import TrainingState
+from hp.checkpointless.microbatch import micro_batch_seed
+from hp.checkpointless.sampler import StepLoader
 from hp.checkpointless.transaction import StepTransaction
 from hp.core.auth import TOKEN_ENV
 from hp.core.control_plane import ControlClient
 from hp.core.errors import UsageError
 from hp.core.plugins import get_backend
-from hp.core.protocol import Event
+from hp.core.protocol import FINISHED_KEY, Event, Plan
 
 __all__ = ["CollectiveError", "Context", "JobEnded", "Step", "recoverable"]
 
@@ -60,6 +63,15 @@ class Step(int):
 
     def __exit__(self, exc_type, exc, tb) -> bool:
         return self._ctx._end_step(self, exc)
+
+    def micro_batches(self, loader: StepLoader) -> Iterator[Any]:
+        """This rank's micro-batches of the step at the current world size (constant global batch).
+
+        Run forward and ``backward()`` on each (do not divide the loss: hp divides the summed gradients
+        by the step's micro-batch count) and pass the losses, one per micro-batch in order, to
+        ``ctx.commit``. Before each micro-batch torch's global RNG is seeded from (seed, step,
+        micro-batch), so dropout draws the same masks whichever rank computes it."""
+        return self._ctx._micro_batches(self, loader)
 
 
 class Context:
@@ -94,6 +106,9 @@ class Context:
         self._tx: StepTransaction | None = None
         self._step: Step | None = None
         self._step_done = False
+        self._owned: list[int] = []  # the micro-batches this rank computes in the current step
+        self._reform_due = False  # the last vote said: re-form (a planned generation) before the next step
+        self._on_scale: Callable[[int, int], None] | None = None
         self._size_published = False
         self._can_interrupt = threading.current_thread() is threading.main_thread()
         if self._can_interrupt:
@@ -137,7 +152,8 @@ class Context:
 
     def register(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | Callable | None = None,
                  scheduler: Any = None, extra: Any = None, checkpoint: ladder.JobCheckpoint | None = None, *,
-                 scaler: Any = None, broadcast_buffers: bool = True) -> None:
+                 scaler: Any = None, broadcast_buffers: bool = True, reduction: Reduction | None = None,
+                 on_scale: Callable[[int, int], None] | None = None) -> None:
         """Declare the training state hp keeps consistent and copies to a replacement rank.
 
         ``optimizer`` may be a factory ``f(params) -> Optimizer`` (and then ``scheduler`` a factory
@@ -151,9 +167,13 @@ class Context:
         or when the job starts again. ``scaler``: a ``torch.amp.GradScaler``; hp unscales the averaged
         gradients in :meth:`reduce` and steps and updates it in :meth:`commit` (don't call its
         ``unscale_``/``step``/``update`` yourself). ``broadcast_buffers`` (as DDP's): rank 0's buffers
-        (BatchNorm running statistics) go to every rank at each step, so replicas stay identical."""
+        (BatchNorm running statistics) go to every rank at each step, so replicas stay identical.
+        ``reduction``: how gradients are averaged (:mod:`hp.checkpointless.reduction`; exact mode is
+        ``hp.elastic.ExactReduction()``). ``on_scale(old_world, new_world)``: called after the job re-formed
+        at another world size, before the next step (to change user state that depends on it)."""
         st = self._training = TrainingState(model, optimizer, scheduler, extra, checkpoint, scaler, broadcast_buffers)
-        self._tx = StepTransaction(st, self._link.collective)
+        self._tx = StepTransaction(st, self._link.collective, reduction)
+        self._on_scale = on_scale
         if st.params:  # the "backward" fault phase fires while the first parameter's gradient is accumulated
             st.params[0].register_post_accumulate_grad_hook(self._on_backward)
         for p in st.params:
@@ -169,6 +189,8 @@ class Context:
         self._formation.join(st, self._tx, self._start_generation, disarm=self._faults.disarm)
         try:
             while st.committed + 1 < total:
+                if self._reform_due:
+                    self._rescale()
                 step = self._step = Step(st.committed + 1, self)
                 self._step_done = False
                 self._machine.to(RankState.COMPUTING)
@@ -181,9 +203,21 @@ class Context:
                 yield step
                 if not self._step_done:
                     raise UsageError("each step must end with ctx.commit(loss)")
+            self._store.set(FINISHED_KEY, str(st.committed))  # releases a joiner that would wait for us forever
             self.events.record(Event.FINAL_STATE, rank=self.rank, step=st.committed, digests=st.digests())
         finally:
             self.close()
+
+    def _micro_batches(self, step: Step, loader: StepLoader) -> Iterator[Any]:
+        if self._step is not step or self._machine.state is not RankState.COMPUTING:
+            raise UsageError("step.micro_batches(loader) is called inside `with step:`, before ctx.commit")
+        sampler = loader.sampler
+        self._tx.split(sampler.micro_batches)
+        self._owned = sampler.owned(int(step), self.rank, self.world_size)
+        for m, batch in zip(self._owned, loader.step(int(step), self.rank, self.world_size)):
+            torch.manual_seed(micro_batch_seed(sampler.seed, int(step), m))
+            yield batch
+            self._tx.micro_batch_done(m)
 
     def reduce(self) -> None:
         """Average the step's gradients across ranks now (and unscale them, with a registered scaler),
@@ -195,17 +229,20 @@ class Context:
         self._phase(self._step, "allreduce")
         self._tx.reduce(int(self._step), self.world_size)
 
-    def commit(self, loss: torch.Tensor | float) -> float:
+    def commit(self, loss: torch.Tensor | float | Sequence[torch.Tensor | float]) -> float:
         """Vote and apply the optimizer step (reducing gradients first if :meth:`reduce` was not called);
-        returns the global mean loss. Raises :class:`CollectiveError` if a peer fails before the vote."""
+        returns the global mean loss. Raises :class:`CollectiveError` if a peer fails before the vote.
+        ``loss``: this rank's loss; in a step split by :meth:`Step.micro_batches`, the list of its
+        micro-batches' losses in order (the global mean is then the same bits at any world size), or
+        their sum."""
         if self._machine.state is RankState.COMPUTING:
             self.reduce()
         elif self._machine.state is not RankState.COMMITTING:
             raise UsageError("ctx.commit(loss) is called once per step, inside `with step:`")
         step, st = int(self._step), self._training
         self._phase(step, "commit")
-        value = float(loss.detach()) if isinstance(loss, torch.Tensor) else float(loss)
-        mean, skip = self._tx.vote(step, value, self.world_size)
+        mean, skip, self._reform_due = self._tx.vote(step, self._loss_slots(loss), self.world_size,
+                                                     self._machine.boundary_due())
         # committed: from here on, survivors finish the step whatever happens to peers
         self._machine.to(RankState.FINISHING)
         self._phase(step, "optimizer")
@@ -214,7 +251,8 @@ class Context:
         self._step_done, self.last_loss = True, mean
         if skip:
             self.events.record(Event.STEP_SKIPPED, step=step, rank=self.rank, scale=st.scaler.get_scale())
-        self.events.record(Event.COMMIT, step=step, rank=self.rank, generation=self.generation, loss=mean.hex())
+        self.events.record(Event.COMMIT, step=step, rank=self.rank, generation=self.generation, loss=mean.hex(),
+                           world=self.world_size)
         if not self._size_published:  # after the first commit, when lazily created optimizer state exists
             self._size_published = True
             self._formation.publish_state_size(st)
@@ -224,6 +262,29 @@ class Context:
         elif st.checkpoint is not None and st.checkpoint.due(step):
             ladder.save_or_warn(st, self.rank, step, self.events)
         return mean
+
+    def _loss_slots(self, loss: Any) -> dict[int, float]:
+        """This rank's losses by vote slot: its micro-batches' ids in a split step, else its rank."""
+        if self._tx.micro_batches is None:
+            return {self.rank: _number(loss)}
+        if isinstance(loss, (list, tuple)):
+            if len(loss) != len(self._owned):
+                raise UsageError(f"ctx.commit got {len(loss)} losses for the {len(self._owned)} micro-batches "
+                                 f"this rank computed")
+            return {m: _number(v) for m, v in zip(self._owned, loss)}
+        return {self._owned[0]: _number(loss)} if self._owned else {}
+
+    def _rescale(self) -> None:
+        """A planned generation (grow, graceful preemption) at a step boundary every rank agreed on in
+        the last vote: leave this group cleanly and form the new one (nothing to roll back or replay)."""
+        st = self._training
+        self.events.record(Event.RESCALING, rank=self.rank, step=st.committed, generation=self.generation)
+        self._reform_due = False
+        old_world = self._link.world_size
+        self._link.release()
+        self._machine.to(RankState.FORMING)
+        self._formation.reform(st, self._tx, self.generation + 1)
+        self._formed(old_world)
 
     def _share_shards(self) -> CollectiveError | None:
         """Sharded optimizer, after the local update: owners broadcast their partitions, then every
@@ -259,8 +320,16 @@ class Context:
         self._training.rollback()
         if failure.report is not None:
             self._formation.report(failure.report, f"{type(exc).__name__}: {exc}")
+        old_world = self._link.world_size
         self._formation.reform(self._training, self._tx, failed_generation + 1,
                                on_slow=lambda: self._formation.report("collective", str(exc)))
+        self._formed(old_world)
+
+    def _formed(self, old_world: int) -> None:
+        """After every formation: a new world size is the user's to react to (``on_scale``)."""
+        new_world = self._link.world_size
+        if old_world and new_world != old_world and self._on_scale is not None:
+            self._on_scale(old_world, new_world)
 
     def _detach(self) -> None:
         """Whatever holds the failed group besides the transport lets go of it first: a sharded
@@ -280,11 +349,11 @@ class Context:
         if self._machine.take_interrupt():
             raise CollectiveError(f"{self._machine.superseded()} during backward")
 
-    def _on_generation(self, latest: int) -> None:
+    def _on_generation(self, plan: Plan) -> None:
         """Watch thread: a newer generation means this rank's group is dead; stop a step that computes
         for nothing (without this, a peer that died at the start of a step is noticed only at its
-        all-reduce, a whole step later)."""
-        if self._machine.observe(latest) and self._can_interrupt:
+        all-reduce, a whole step later). A planned one (grow, preemption) waits for a step boundary."""
+        if self._machine.observe(plan.generation, plan.at_boundary) and self._can_interrupt:
             signal.pthread_kill(threading.main_thread().ident, INTERRUPT_SIGNAL)
 
     def _interrupt(self, signum: int, frame: Any) -> None:
@@ -307,6 +376,10 @@ class Context:
         self._watch.stop()
         self._link.close()
         self.events.close()
+
+
+def _number(value: Any) -> float:
+    return float(value.detach()) if isinstance(value, torch.Tensor) else float(value)
 
 
 def recoverable(fn):

@@ -4,17 +4,25 @@ same samples; and a ``DataLoader`` (workers, prefetch, the user's collate) that 
 A step is ``micro_batches`` micro-batches of ``micro_batch`` samples (the global batch is their
 product, whatever the world size). Micro-batch m of step s holds the samples at global positions
 ``s * global_batch + m * micro_batch + j`` of an :class:`hp.checkpointless.data.EpochOrder`: a pure
-function of (seed, s, m). Rank r of W owns the micro-batches m with ``m % W == r`` and accumulates
-their gradients before the step's one reduction.
+function of (seed, s, m), never of the world size, so every step sees the same samples at any W: none
+skipped, none repeated. The world size only decides who computes which micro-batch (:func:`owned`).
 
     sampler = StepSampler(len(dataset), micro_batch=8, micro_batches=4, seed=0)
     loader = StepLoader(dataset, sampler, num_workers=2, collate_fn=...)
     for step in ctx.steps(n):
         with step:
-            micro = loader.step(step, ctx.rank, ctx.world_size)
-            for x, y in micro:
-                (loss_fn(model(x), y) / len(micro)).backward()
-            ctx.commit(loss)
+            losses = []
+            for x, y in step.micro_batches(loader):  # this rank's, at the current world size
+                loss = loss_fn(model(x), y)
+                loss.backward()  # summed over the step's micro-batches; hp divides by their count
+                losses.append(loss)
+            ctx.commit(losses)
+
+Ownership is by **contiguous blocks**: rank r of W owns ``[r*q + min(r, e), ...)`` with ``q, e =
+divmod(M, W)``: the first ``e`` ranks own ``q + 1`` micro-batches, the others ``q`` (uneven counts when W
+does not divide M; a rank owns none when W > M). A rank's micro-batches are one contiguous span of the
+step's samples (sequential reads from the data cache), and the ranks' blocks in rank order are the
+micro-batches in order ``0..M-1``.
 """
 
 from __future__ import annotations
@@ -26,6 +34,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from hp.checkpointless.data import EpochOrder
+from hp.checkpointless.microbatch import owned
 from hp.core.errors import UsageError
 
 _LOADER_OWNED = ("batch_size", "shuffle", "sampler", "batch_sampler", "drop_last", "generator")
@@ -51,13 +60,8 @@ class StepSampler:
         return self._order.indices(step * self.global_batch + m * self.micro_batch, self.micro_batch)
 
     def owned(self, step: int, rank: int, world: int) -> list[int]:
-        """The micro-batch ids of ``step`` that ``rank`` of ``world`` computes."""
-        if not 0 <= rank < world:
-            raise UsageError(f"rank {rank} is not in a world of {world}")
-        if self.micro_batches % world:
-            raise UsageError(f"{self.micro_batches} micro-batches per step cannot be split evenly over {world} "
-                             f"ranks: choose micro_batches as a multiple of the world size")
-        return list(range(rank, self.micro_batches, world))
+        """The micro-batch ids of ``step`` that ``rank`` of ``world`` computes (:func:`owned`)."""
+        return owned(self.micro_batches, rank, world)
 
     def batches(self, rank: int, world: int, start: int) -> Iterator[list[int]]:
         """Index lists of every micro-batch ``rank`` owns, step after step from ``start`` (a batch sampler)."""

@@ -2,9 +2,12 @@
 
 With ZeRO each rank holds the optimizer state of one partition of the parameters only, so no peer
 can hand a replacement "the" state the way DDP replicas can. After every committed step each rank
-copies its shard (partition parameters + local optimizer state) to its **buddy** ``(rank + 1) % W``,
-which keeps it in CPU memory (two alternating buffers, so a transfer that dies midway never damages
-the copy it already has).
+copies its shard (partition parameters + local optimizer state) to its **buddy**, the next rank in
+the partitioning's **ring** (a permutation of the ranks, agreed at the re-form that made the
+partitioning), which keeps it in CPU memory (two alternating buffers, so a transfer that dies midway
+never damages the copy it already has). The ring puts consecutive ranks on different nodes whenever
+it can (:func:`node_ring`), so a lost node never takes a shard and its only copy with it; without one
+(a single node) it is the identity: buddy ``(rank + 1) % W``.
 
 A step's tail is: vote → local shard step → scheduler → *committed* → parameter sync → replication.
 Everything up to "committed" is local and cannot be stopped by a peer, so a survivor's own shard is
@@ -14,6 +17,11 @@ replacement **rolls forward**: it loads the old shard and re-runs the same local
 the same gradients and hyper-parameters, which gives the same bits. A shard whose owner and buddy
 are both lost cannot be rebuilt from peers: :class:`ShardLost` says so (the job-level rung of the
 recovery ladder, a tiered checkpoint, is where that goes).
+
+When the world size changes (elastic shrink and grow), :meth:`ShardedOptimizer.rebind` re-partitions
+the optimizer for the new world and keeps the shard it held as :attr:`ShardedOptimizer.previous`, with
+the replica of its ward in that old partitioning, until :mod:`hp.checkpointless.reshard` has moved
+their state to the new owners.
 """
 
 from __future__ import annotations
@@ -29,6 +37,9 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from hp.checkpointless import state
 
 
+NO_REPLICA = -2  # replica_version while a rank holds no copy (-1 is a copy of the state before the first step)
+
+
 class ShardLost(RuntimeError):
     """No live peer holds a copy of a rank's optimizer shard."""
 
@@ -39,8 +50,42 @@ class Versions:
 
     committed: list[int]
     shard: list[int]  # step the rank's own shard is at (-1: no state, e.g. a fresh process)
-    replica: list[int]  # step of the copy it holds of its ward's shard (ward = rank - 1)
+    replica: list[int]  # step of the copy it holds of its ward's shard (ward: the previous rank in the ring; NO_REPLICA: none)
     grads: list[int]  # step whose averaged gradients it still holds (-1: none)
+
+
+def identity(world: int) -> tuple[int, ...]:
+    return tuple(range(world))
+
+
+def node_ring(nodes: Sequence[int]) -> tuple[int, ...]:
+    """A ring over the ranks (``nodes[r]``: rank r's node) in which consecutive ranks are on different
+    nodes whenever possible: ranks ordered by (index of the rank within its node, node). One node (or
+    none known) gives the identity; 2 nodes of 2 ranks ([0, 0, 1, 1]) give (0, 2, 1, 3)."""
+    seen: dict[int, int] = {}
+    keys = []
+    for r, n in enumerate(nodes):
+        keys.append((seen.get(n, 0), n, r))
+        seen[n] = seen.get(n, 0) + 1
+    return tuple(r for _, _, r in sorted(keys))
+
+
+def buddy_in(ring: Sequence[int], rank: int) -> int:
+    """The rank after ``rank`` in ``ring`` (that holds its replica)."""
+    return ring[(ring.index(rank) + 1) % len(ring)]
+
+
+def ward_in(ring: Sequence[int], rank: int) -> int:
+    """The rank before ``rank`` in ``ring`` (whose replica it holds)."""
+    return ring[(ring.index(rank) - 1) % len(ring)]
+
+
+def check_ring(ring: Sequence[int], world: int) -> tuple[int, ...]:
+    """``ring`` as a tuple (() : the identity), checked to be a permutation of the ``world`` ranks."""
+    ring = tuple(int(r) for r in ring) or identity(world)
+    if sorted(ring) != list(range(world)):
+        raise ValueError(f"{list(ring)} is no ring over {world} ranks")
+    return ring
 
 
 def hyper(groups: Sequence[dict]) -> list[dict]:
@@ -54,6 +99,27 @@ def set_hyper(groups: Sequence[dict], hyper: Sequence[dict]) -> None:
         g.update(h)
 
 
+def _step(optim: torch.optim.Optimizer, params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor | None],
+          step_hyper: Sequence[dict]) -> None:
+    """One update of ``optim`` over ``params`` with a past step's gradients and hyper-parameters."""
+    for p, g in zip(params, grads):
+        p.grad = None if g is None else g.clone()
+    set_hyper(optim.param_groups, step_hyper)
+    optim.step()
+    for p in params:
+        p.grad = None
+
+
+@dataclass(frozen=True)
+class Previous:
+    """The shard a rank held before its optimizer was re-partitioned for another rank or world size."""
+
+    rank: int
+    world: int
+    optim: torch.optim.Optimizer  # ZeRO's local optimizer over that partition (it keeps the shard's state)
+    ring: tuple[int, ...]  # the replication ring of that partitioning (its replicas were made with it)
+
+
 class ShardedOptimizer:
     """The recovery side of one ``ZeroRedundancyOptimizer``; the training loop keeps using ``zero``."""
 
@@ -64,7 +130,9 @@ class ShardedOptimizer:
         self.zero = zero
         self.version = -1  # step the own shard is at
         self.replica: dict | None = None  # ward's shard (views into the active buffer)
-        self.replica_version = -1
+        self.replica_version = NO_REPLICA
+        self.previous: Previous | None = None  # set by a re-partitioning rebind until the reshard is done
+        self._ring: tuple[int, ...] | None = None  # replication ring of the current partitioning (None: identity)
         self._buffers = [state.StateBuffer(None), state.StateBuffer(None)]
         self._gather: torch.Tensor | None = None  # every rank's partition, flat, padded to the longest
         self._gather_in: torch.Tensor | None = None
@@ -81,14 +149,53 @@ class ShardedOptimizer:
     def world_size(self) -> int:
         return self.zero.world_size
 
+    @property
+    def ring(self) -> tuple[int, ...]:
+        """The replication ring of the current partitioning (buddy: next, ward: previous)."""
+        return self._ring if self._ring is not None else identity(self.world_size)
+
+    def set_ring(self, ring: Sequence[int]) -> None:
+        """The ring the current partitioning replicates along (the same on every rank: from the agreement)."""
+        self._ring = check_ring(ring, self.world_size)
+
+    @property
+    def held_ring(self) -> tuple[int, ...]:
+        """The ring of the partitioning the held shard and replica belong to (see :attr:`partition`)."""
+        return self._held().ring
+
     def buddy(self, rank: int) -> int:
-        return (rank + 1) % self.world_size
+        return buddy_in(self.ring, rank)
 
     def ward(self, rank: int) -> int:
-        return (rank - 1) % self.world_size
+        return ward_in(self.ring, rank)
+
+    @property
+    def partition(self) -> tuple[int, int]:
+        """(rank, world size) of the partitioning the held shard and replica belong to: what a re-form
+        reports (after a re-partitioning :meth:`rebind`, the old one until the reshard is done)."""
+        held = self._held()
+        return held.rank, held.world
+
+    def _held(self) -> Previous:
+        if self.previous is not None:
+            return self.previous
+        return Previous(self.zero.rank, self.zero.world_size, self.zero.optim, self.ring)
 
     def _params_of(self, rank: int) -> list[torch.Tensor]:
         return [p for g in self.zero._partition_parameters()[rank] for p in g["params"]]
+
+    def partitioning(self, world: int) -> list[list[torch.Tensor]]:
+        """Each rank's parameters, in its local optimizer's order, as torch partitions them for ``world``."""
+        zero = self.zero
+        if world == zero.world_size:
+            return [self._params_of(r) for r in range(world)]
+        current, zero.world_size = zero.world_size, world
+        zero._clear_cache()
+        try:
+            return [self._params_of(r) for r in range(world)]
+        finally:
+            zero.world_size = current
+            zero._clear_cache()
 
     # ---- the step -----------------------------------------------------------------------
     def local_step(self, step: int) -> None:
@@ -127,12 +234,25 @@ class ShardedOptimizer:
                     offset += p.numel()
 
     def rebind(self, rank: int, world_size: int) -> None:
-        """Point the optimizer at the process group of a new generation (same rank, same world)."""
-        if (self.zero.rank, self.zero.world_size) != (rank, world_size):
-            raise NotImplementedError(
-                f"ZeroRedundancyOptimizer was partitioned for rank {self.zero.rank} of {self.zero.world_size}; "
-                f"re-partitioning for rank {rank} of {world_size} (elastic resizing) is not supported yet")
-        self.zero.process_group = dist.group.WORLD
+        """Point the optimizer at the process group of a new generation. Another rank or world size
+        re-partitions it (torch's partitioning for that world, a local optimizer without state); the
+        shard held so far stays :attr:`previous` until the reshard has moved its state, and comes back
+        as the local optimizer if a later re-form returns to its partitioning before that."""
+        zero = self.zero
+        zero.process_group = dist.group.WORLD
+        if (zero.rank, zero.world_size) == (rank, world_size):
+            return
+        if self.previous is None and self.version >= 0:
+            self.previous = Previous(zero.rank, zero.world_size, zero.optim, self.ring)
+        zero.rank = zero.global_rank = rank  # the group is the default one: group rank = global rank
+        zero.world_size = world_size
+        zero._clear_cache()
+        if self.previous is not None and (self.previous.rank, self.previous.world) == (rank, world_size):
+            zero.optim, self._ring, self.previous = self.previous.optim, self.previous.ring, None
+        else:
+            zero._init_local_optimizer()
+            self._ring = None  # a new partitioning: the identity until the agreement sets its ring
+        zero._build_param_buckets()  # a no-op unless parameters_as_bucket_view=True
 
     def unbind(self) -> None:
         """Drop the reference to a failed group, so that destroying it really closes its sockets
@@ -158,25 +278,68 @@ class ShardedOptimizer:
         # the received tensors come from a buffer of their own (never reused), so the optimizer may keep them
         self.zero.optim.load_state_dict(shard["optim"])
         self.version = int(shard["version"])
+        self.previous = None  # the held shard is now this one, of the current partitioning
 
-    def grads_of(self, rank: int, flat_grads: torch.Tensor) -> list[torch.Tensor]:
-        out = []
-        for p in self._params_of(rank):
-            offset, n = self._grad_slices[id(p)]
-            out.append(flat_grads[offset:offset + n].view_as(p))
+    def grads_of(self, params: Sequence[torch.Tensor], flat_grads: torch.Tensor) -> list[torch.Tensor | None]:
+        """Views of ``params``' gradients in the runtime's flat buffer (None: a parameter without one)."""
+        out: list[torch.Tensor | None] = []
+        for p in params:
+            offset, n = self._grad_slices.get(id(p), (0, -1))
+            out.append(flat_grads[offset:offset + n].view_as(p) if n >= 0 else None)
         return out
 
-    def roll_forward(self, step: int, grads: Sequence[torch.Tensor], step_hyper: Sequence[dict]) -> None:
+    def roll_forward(self, step: int, grads: Sequence[torch.Tensor | None], step_hyper: Sequence[dict]) -> None:
         """Re-run step ``step``'s local update of this shard with that step's gradients and hyper-parameters."""
-        params = self._params_of(self.zero.rank)
-        for p, g in zip(params, grads):
-            p.grad = g.clone()
-        set_hyper(self.zero.optim.param_groups, step_hyper)
-        self.zero.optim.step()
+        _step(self.zero.optim, self._params_of(self.zero.rank), grads, step_hyper)
         self.zero._sync_param_groups(self.zero.optim.param_groups, self.zero.param_groups)
-        for p in params:
-            p.grad = None
         self.version = step
+
+    # ---- resharding (elastic) -----------------------------------------------------------------
+    def roll_held_forward(self, step: int, flat_grads: torch.Tensor) -> None:
+        """A survivor that missed the vote of ``step``: its held shard's update of that step (its own
+        scheduler has not stepped, so its hyper-parameters are that step's)."""
+        held = self._held()
+        params = self.partitioning(held.world)[held.rank]
+        _step(held.optim, params, self.grads_of(params, flat_grads), hyper(self.zero.param_groups))
+        self.version = step
+
+    def held_shard(self) -> tuple[list[torch.Tensor], list[dict]]:
+        """The held shard: its partition's parameters and their optimizer states (live, not copies)."""
+        held = self._held()
+        params = self.partitioning(held.world)[held.rank]
+        return [p.detach() for p in params], [held.optim.state.get(p, {}) for p in params]
+
+    def ward_shard(self, step: int, flat_grads: torch.Tensor | None) -> tuple[list[torch.Tensor], list[dict], bool]:
+        """The ward's shard (held partitioning and its ring) at ``step``: copies of the replica, rolled
+        forward by a local optimizer of their own when one step old. Returns (parameters, their states, rolled)."""
+        held = self._held()
+        params = self.partitioning(held.world)[ward_in(held.ring, held.rank)]
+        skeleton, tensors = state.flatten(self.replica)
+        copy = state.unflatten(skeleton, [t.clone() for t in tensors])  # the replica stays intact for a retry
+        values, optim_state = copy["params"], copy["optim"]
+        if len(values) != len(params):
+            raise state.StateTransferError(f"replica has {len(values)} parameters, its partition has {len(params)}")
+        values = [v.to(p.device) for v, p in zip(values, params)]  # replicas live in host memory
+        if self.replica_version == step:
+            return values, [optim_state["state"].get(i, {}) for i in range(len(values))], False
+        assert flat_grads is not None and self.replica_version == step - 1  # guaranteed by plan_shard_sources
+        optim = self.zero._optim_constructor([{"params": [values[i] for i in g["params"]]}
+                                              for g in optim_state["param_groups"]], **self.zero._optim_defaults)
+        optim.load_state_dict(optim_state)
+        # the held optimizer ran `step` (or was just rolled forward to it): its groups hold that step's hyper-parameters
+        _step(optim, values, self.grads_of(params, flat_grads), hyper(held.optim.param_groups))
+        return values, [optim.state.get(v, {}) for v in values], True
+
+    def adopt(self, states: dict[torch.Tensor, dict], version: int) -> None:
+        """Install the optimizer states of this rank's new partition (keyed by parameter), at ``version``;
+        the previous shard and the replica (of the old partitioning) are dropped."""
+        optim = self.zero.optim
+        params = [p for g in optim.param_groups for p in g["params"]]
+        loaded = optim.state_dict()
+        loaded["state"] = {i: states[p] for i, p in enumerate(params) if states.get(p)}
+        optim.load_state_dict(loaded)  # keeps the tensors: received into buffers of their own, or the held shard's
+        self.zero._sync_param_groups(self.zero.param_groups, optim.param_groups)
+        self.previous, self.replica, self.replica_version, self.version = None, None, NO_REPLICA, version
 
     # ---- replicas -----------------------------------------------------------------------
     def replicate(self, rank: int, move: Callable[[Callable[[], None]], None]) -> None:
@@ -186,8 +349,10 @@ class ShardedOptimizer:
             return
         send = lambda: state.send_state(self.shard(), self.buddy(rank))  # noqa: E731
         recv = lambda: self._receive_replica(rank)  # noqa: E731
-        # even ranks send first, odd ranks receive first: no cycle of blocked sends for any world size
-        for op in ((send, recv) if rank % 2 == 0 else (recv, send)):
+        # even positions in the ring send first, odd ones receive first: no cycle of blocked sends for
+        # any ring length (an odd one ends with two senders in a row: the last sends to position 0,
+        # which receives once its own send is done)
+        for op in ((send, recv) if self.ring.index(rank) % 2 == 0 else (recv, send)):
             move(op)
 
     def _receive_replica(self, rank: int) -> None:
@@ -201,7 +366,7 @@ class ShardedOptimizer:
         message: dict[str, Any] = {"shard": self.replica, "grads": None, "hyper": None}
         if self.replica_version < newest:
             assert flat_grads is not None  # guaranteed by plan_shard_sources
-            message["grads"] = self.grads_of(dst, flat_grads)
+            message["grads"] = self.grads_of(self._params_of(dst), flat_grads)
             message["hyper"] = hyper(self.zero.optim.param_groups)
         state.send_state(message, dst)
 
@@ -218,15 +383,17 @@ class ShardedOptimizer:
         return True
 
 
-def plan_shard_sources(v: Versions, newest: int) -> dict[int, int]:
+def plan_shard_sources(v: Versions, newest: int, ring: Sequence[int] = ()) -> dict[int, int]:
     """For each rank whose shard is not at ``newest`` and cannot roll forward by itself, the buddy that
-    rebuilds it. Raises :class:`ShardLost` (on every rank alike) when no peer can."""
+    rebuilds it: the next rank in ``ring``, the ring the replicas were made with (() : the identity).
+    Raises :class:`ShardLost` (on every rank alike) when no peer can."""
     world = len(v.committed)
+    ring = check_ring(ring, world)
     sources: dict[int, int] = {}
     for r in range(world):
         if v.shard[r] == newest or (v.shard[r] == newest - 1 and v.grads[r] == newest):
             continue  # up to date, or a survivor that missed the vote and re-runs its own update
-        b = (r + 1) % world
+        b = buddy_in(ring, r)
         usable = v.shard[b] >= 0 and (v.replica[b] == newest or (v.replica[b] == newest - 1 and v.grads[b] == newest))
         if world < 2 or not usable:
             raise ShardLost(

@@ -1,14 +1,20 @@
 """The step transaction: gradient reduction → (the user's clipping) → commit vote → local update.
 
-``reduce`` averages the gradients across ranks in ONE collective over a flat buffer, and the
-parameters' ``.grad`` are views into that buffer (as DDP's ``gradient_as_bucket_view``): backward
+``reduce`` averages the gradients across ranks (:mod:`hp.checkpointless.reduction`: by default ONE
+float all-reduce) over a flat buffer, and the parameters' ``.grad`` are views into that buffer (as DDP's ``gradient_as_bucket_view``): backward
 accumulates straight into it, clipping and AMP unscaling act on it in place, and the sharded
 optimizer's roll-forward finds there exactly the gradients the update used. With
 ``broadcast_buffers`` (the default, as in DDP) rank 0's buffers (BatchNorm running statistics) go to
 every rank in the same phase. With a registered ``torch.amp.GradScaler`` the averaged gradients are
 unscaled, and whether they hold an inf/NaN travels in the vote, so every rank skips the same steps.
 
-``vote`` is the commit point: one small all-reduce that every rank must enter. Everything a failure
+A step may be split in ``M`` micro-batches (:meth:`StepTransaction.split`): the mean is then over the M
+micro-batches, whichever ranks computed them, and the vote carries one loss per micro-batch, summed in
+micro-batch order, so the step's loss does not depend on the world size either.
+
+``vote`` is the commit point: one small all-reduce that every rank must enter. It also carries whether
+any rank has seen a planned generation (a grow, a graceful preemption), so that all ranks re-form
+after the same step. Everything a failure
 before it did is rolled back by :meth:`hp.checkpointless.registry.TrainingState.rollback` (and
 :meth:`StepTransaction.abort`); ``apply`` after it is local and cannot be stopped by a peer.
 """
@@ -23,18 +29,21 @@ import torch.distributed as dist
 
 from hp.checkpointless import state
 from hp.checkpointless.recovery import CollectiveError
+from hp.checkpointless.reduction import Collective, MeanReduction, Reduction
 from hp.checkpointless.registry import TrainingState
 
-Collective = Callable[..., None]
+VOTE_HEAD = 3  # [ranks voting, ranks that saw inf/NaN, ranks that saw a planned generation], then the losses
 
 
 class StepTransaction:
-    def __init__(self, training: TrainingState, collective: Collective) -> None:
+    def __init__(self, training: TrainingState, collective: Collective, reduction: Reduction | None = None) -> None:
         self._st, self._collective = training, collective
+        self.reduction: Reduction = reduction if reduction is not None else MeanReduction()
+        self.micro_batches: int | None = None  # M when the current step is split in micro-batches
         self.grads: torch.Tensor | None = None  # one flat buffer, allocated once (kept: see group.py)
         self.grads_step = -1  # the step whose averaged gradients `grads` holds
         self._views: list[torch.Tensor | None] = []  # per parameter: its slice of `grads` (None: other dtype)
-        self._vote = torch.zeros(3, dtype=torch.float64)  # [ranks voting, loss sum, ranks that saw inf/NaN]
+        self._vote = torch.zeros(VOTE_HEAD + 1, dtype=torch.float64)  # reallocated when the loss slots change
         self._bcast: state.StateBuffer | None = None
         self._found_inf = False
         self._unscaled = False
@@ -45,18 +54,30 @@ class StepTransaction:
         not after the previous update: until the next step begins, the averaged gradients of the last
         committed step are what a sharded optimizer's roll-forward needs (a peer that died in the tail)."""
         self.grads_step = -1
+        self.micro_batches = None
+        self.reduction.begin()
         if self.grads is not None:
             self.grads.zero_()
         for p, view in zip(self._st.params, self._views):
             if view is None and p.grad is not None:
                 p.grad.zero_()
 
+    def split(self, micro_batches: int) -> None:
+        """This step is ``micro_batches`` micro-batches in all (over every rank): the mean is over them."""
+        if self.micro_batches not in (None, micro_batches):
+            raise ValueError(f"a step has one micro-batch count, got {micro_batches} after {self.micro_batches}")
+        self.micro_batches = micro_batches
+
+    def micro_batch_done(self, m: int) -> None:
+        """Micro-batch ``m``'s backward is done on this rank (the reduction may set its gradients aside)."""
+        self._gather(fold=True)
+        self.reduction.micro_batch_done(self.grads, m)
+
     def reduce(self, step: int, world_size: int) -> None:
         """Average gradients (and with a scaler unscale them), broadcast rank 0's buffers."""
-        grads = self._gather()
+        grads = self._gather(fold=self.micro_batches is not None)
         self.grads_step = -1
-        self._collective(dist.all_reduce, grads)
-        grads.div_(world_size)
+        self.reduction.reduce(grads, self.micro_batches or world_size, self._collective)
         self.grads_step = step
         self._scatter_other_dtypes()
         if self._st.broadcast_buffers and world_size > 1:
@@ -67,16 +88,28 @@ class StepTransaction:
             self._unscaled = True
             self._found_inf = not bool(torch.isfinite(grads).all())
 
-    def vote(self, step: int, loss: float, world_size: int) -> tuple[float, bool]:
-        """Every rank's yes; returns (global mean loss, skip: some gradient was inf/NaN)."""
+    def vote(self, step: int, losses: dict[int, float], world_size: int, boundary: bool) -> tuple[float, bool, bool]:
+        """Every rank's yes. ``losses``: this rank's loss per slot (its micro-batches' ids, or its rank when
+        the step is not split), ``boundary``: this rank has seen a planned generation. Returns (global mean
+        loss, skip: some gradient was inf/NaN, re-form after this step)."""
+        slots = self.micro_batches or world_size
+        if self._vote.numel() != VOTE_HEAD + slots:
+            self._vote = torch.zeros(VOTE_HEAD + slots, dtype=torch.float64)  # kept referenced: see group.py
         vote = self._vote
-        vote[0], vote[1], vote[2] = 1.0, loss, float(self._found_inf)
+        vote.zero_()
+        vote[0], vote[1], vote[2] = 1.0, float(self._found_inf), float(boundary)
+        for slot, loss in losses.items():
+            vote[VOTE_HEAD + slot] = loss
         self._collective(dist.all_reduce, vote)
         if int(vote[0]) != world_size:
             raise CollectiveError(f"commit vote of step {step}: {int(vote[0])}/{world_size}")
-        # every rank checked the same averaged bits, so every rank found the same; the vote's sum makes
-        # the verdict one decision all the same (a rank never steps while another skips)
-        return float(vote[1]) / world_size, int(vote[2]) > 0
+        # each slot has one writer, so the sum holds its loss exactly; adding the slots in their order
+        # makes the mean the same bits whoever computed them. Every rank checked the same averaged
+        # gradients, so every rank found the same inf/NaN; the sum makes it one decision all the same
+        total = 0.0
+        for loss in vote[VOTE_HEAD:].tolist():
+            total += loss
+        return total / slots, int(vote[1]) > 0, int(vote[2]) > 0
 
     # ---- after the vote (local) -------------------------------------------------------------
     def apply(self, step: int, skip: bool) -> None:
@@ -105,7 +138,10 @@ class StepTransaction:
         self._unscaled = self._found_inf = False
 
     # ---- the flat gradient buffer -----------------------------------------------------------
-    def _gather(self) -> torch.Tensor:
+    def _gather(self, fold: bool = False) -> torch.Tensor:
+        """The flat buffer with every gradient in it. ``fold``: a step split in micro-batches adds the
+        gradients that are not views (another dtype) into the buffer and zeroes them, so the buffer
+        holds the sum so far whatever the reduction did with it after the previous micro-batch."""
         params = self._st.params
         if self.grads is None:
             self.grads = torch.zeros(sum(p.numel() for p in params), dtype=params[0].dtype)
@@ -117,7 +153,11 @@ class StepTransaction:
         offset = 0
         for p, view in zip(params, self._views):
             n = p.numel()
-            if view is None:
+            if view is None and fold:
+                if p.grad is not None:
+                    self.grads[offset:offset + n].add_(p.grad.reshape(-1))
+                    p.grad.zero_()
+            elif view is None:
                 target = self.grads[offset:offset + n]
                 target.copy_(p.grad.reshape(-1)) if p.grad is not None else target.zero_()
             elif p.grad is None:

@@ -26,14 +26,29 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dropout", type=float, default=0.1)
     p.add_argument("--corpus-mb", type=int, default=16)
     p.add_argument("--seed", type=int, default=0)
+    add_checkpoint_args(p)
+    p.add_argument("--zero", action="store_true",
+                   help="shard the optimizer state (torch ZeroRedundancyOptimizer) instead of replicating it")
+    return p.parse_args(argv)
+
+
+def add_checkpoint_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--checkpoint", metavar="NAMESPACE", default=None,
                    help="job-level rung: checkpoint into hp-tiered-ckpt's tiers (daemon from HP_CKPT_DAEMON)")
     p.add_argument("--checkpoint-every", type=int, default=2)
     p.add_argument("--checkpoint-persist-every", type=int, default=None, metavar="N",
                    help="also persist every N steps to HP_CKPT_URL (uploaded by the daemon; only when that is set)")
-    p.add_argument("--zero", action="store_true",
-                   help="shard the optimizer state (torch ZeroRedundancyOptimizer) instead of replicating it")
-    return p.parse_args(argv)
+
+
+def job_checkpoint(args: argparse.Namespace):
+    """The job-level rung the flags of :func:`add_checkpoint_args` ask for (None: none)."""
+    if not args.checkpoint:
+        return None
+    from hp.tiered_ckpt import TieredConfig  # optional: hp-checkpointless does not depend on hp-tiered-ckpt
+    from hp.tiered_ckpt.rung import TieredRung
+
+    persist = {} if args.checkpoint_persist_every is None else {"persist_every": args.checkpoint_persist_every}
+    return TieredRung(TieredConfig.from_env(args.checkpoint, memory_every=args.checkpoint_every, **persist))
 
 
 @recoverable
@@ -49,13 +64,7 @@ def main(ctx) -> None:
     def make_scheduler(optimizer):
         return torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=args.steps)
 
-    checkpoint = None
-    if args.checkpoint:  # optional: hp-checkpointless does not depend on hp-tiered-ckpt
-        from hp.tiered_ckpt import TieredConfig
-        from hp.tiered_ckpt.rung import TieredRung
-
-        persist = {} if args.checkpoint_persist_every is None else {"persist_every": args.checkpoint_persist_every}
-        checkpoint = TieredRung(TieredConfig.from_env(args.checkpoint, memory_every=args.checkpoint_every, **persist))
+    checkpoint = job_checkpoint(args)
     if args.zero:  # built by hp once the process group exists (a spare has none yet)
         ctx.register(model, lambda params: ZeroRedundancyOptimizer(params, torch.optim.AdamW, lr=3e-3),
                      make_scheduler, checkpoint=checkpoint)
