@@ -4,16 +4,12 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import signal
-import socket
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import pytest
 import torch
 
+from hp.core import testing
 from hp.elastic.exact import exact_mean
 
 # pytest runs with --import-mode=importlib: the tests directory is not on sys.path, load the cases by path
@@ -26,33 +22,10 @@ HERE = Path(__file__).resolve().parent
 WORLD, TIMEOUT_S = 4, 90
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_ranks(out: Path) -> None:
-    port = free_port()
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}  # the worker finds exact_cases.py next to itself (sys.path[0])
-    procs = [subprocess.Popen([sys.executable, str(HERE / "exact_worker.py"), str(r), str(WORLD), str(port), str(out)],
-                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                              start_new_session=True) for r in range(WORLD)]
-    try:
-        deadline = time.monotonic() + TIMEOUT_S
-        logs = []
-        for p in procs:
-            try:
-                logs.append(p.communicate(timeout=max(1.0, deadline - time.monotonic()))[0])
-            except subprocess.TimeoutExpired:
-                pytest.fail(f"exact-mode ranks did not finish in {TIMEOUT_S} s")
-        bad = [(r, p.returncode, log[-3000:]) for r, (p, log) in enumerate(zip(procs, logs)) if p.returncode]
-        assert not bad, f"ranks failed: {bad}"
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
-                p.wait()
+    # the worker finds exact_cases.py next to itself (sys.path[0])
+    testing.run_ranks([str(HERE / "exact_worker.py"), str(out)], WORLD, TIMEOUT_S, "exact-mode ranks",
+                      {**os.environ, "OMP_NUM_THREADS": "1"})
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +40,7 @@ def bits(t: torch.Tensor) -> torch.Tensor:
 
 
 def test_exact_mean_bit_identical_for_w_1_to_4(results):
-    got = {w: torch.load(results / f"w{w}.pt") for w in range(1, WORLD + 1)}
+    got = {w: torch.load(results / f"w{w}.pt", weights_only=True) for w in range(1, WORLD + 1)}
     reference = exact_mean(micro_grads(), M)  # in process, no group: W = 1 without torch.distributed
     for w, r in got.items():
         assert r["exact"].dtype == torch.float32

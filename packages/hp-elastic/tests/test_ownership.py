@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from hp.core.errors import UsageError
+
 from hp.elastic.ownership import micro_batch_samples, micro_batch_seed, owned, owner
 
 
@@ -26,7 +28,7 @@ def test_uneven_and_empty():
 
 @pytest.mark.parametrize("args", [(0, 0, 1), (4, 0, 0), (4, 2, 2), (4, -1, 2)])
 def test_owned_rejects(args):
-    with pytest.raises(ValueError):
+    with pytest.raises(UsageError):
         owned(*args)
 
 

@@ -16,10 +16,10 @@ else:  # pragma: no cover
 import hp.elastic
 
 
-def test_imports_and_depends_only_on_hp_core():
+def test_imports_and_depends_on_hp_core_and_hp_checkpointless():
     assert hp.elastic.__all__ and all(hasattr(hp.elastic, n) for n in hp.elastic.__all__)
     hp_deps = [r for r in requires("hp-elastic") or [] if r.startswith("hp-")]
-    assert hp_deps == ["hp-core==0.1.0"], hp_deps
+    assert hp_deps == ["hp-core==0.1.0", "hp-checkpointless==0.1.0"], hp_deps  # DESIGN.md: a scale event is a re-form
     assert distribution("hp-elastic").version == "0.1.0"
 
 
@@ -27,7 +27,7 @@ def test_declares_what_it_imports():
     with open(Path(__file__).resolve().parents[1] / "pyproject.toml", "rb") as f:
         deps = tomllib.load(f)["project"]["dependencies"]
     names = {d.split("=")[0].split(">")[0].split("<")[0].strip().lower() for d in deps}
-    assert names == {"hp-core", "torch", "pyyaml"}, deps
+    assert names == {"hp-core", "hp-checkpointless", "torch", "pyyaml"}, deps
 
 
 def test_import_does_not_load_torch():

@@ -23,6 +23,7 @@ _EXPORTS = {
     "exact_mean": "hp.elastic.exact", "quantize": "hp.elastic.exact", "dequantize": "hp.elastic.exact",
     "scale_shift": "hp.elastic.exact", "precision_bits": "hp.elastic.exact",
     "NonFiniteGradientError": "hp.elastic.exact",
+    "rescale_lr": "hp.elastic.lr", "on_scale_lr": "hp.elastic.lr", "ExactReduction": "hp.elastic.exact",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -5,7 +5,8 @@ A step is ``M = global_batch // micro_batch`` micro-batches of ``micro_batch`` s
 :func:`micro_batch_samples`), never of the world size, so every step sees the same samples at any W:
 none skipped, none repeated. The world size only decides who computes which micro-batch.
 
-Ownership is by **contiguous blocks**: rank r of W owns ``[r*q + min(r, e), ...)`` with ``q, e =
+The functions live in :mod:`hp.checkpointless.microbatch` (the runtime's step loop uses them); they are
+re-exported here with the batch geometry of a policy. Ownership is by **contiguous blocks**: rank r of W owns ``[r*q + min(r, e), ...)`` with ``q, e =
 divmod(M, W)``: the first ``e`` ranks own ``q + 1`` micro-batches, the others ``q`` (uneven counts
 when W does not divide M, as balanced as round-robin: counts differ by at most one). Why blocks and
 not round-robin: a rank's micro-batches are then one contiguous span of the step's samples (one read
@@ -18,38 +19,9 @@ order-independent.
 
 from __future__ import annotations
 
-import hashlib
+from hp.checkpointless.microbatch import micro_batch_seed, owned, owner
 
-
-def _check(m_total: int, world: int) -> None:
-    if m_total <= 0 or world <= 0:
-        raise ValueError(f"micro-batches and world size must be positive, got M={m_total} W={world}")
-
-
-def owned(m_total: int, rank: int, world: int) -> list[int]:
-    """The micro-batches of a step that ``rank`` of ``world`` computes (a contiguous block, maybe empty)."""
-    _check(m_total, world)
-    if not 0 <= rank < world:
-        raise ValueError(f"rank {rank} is not in 0..{world - 1}")
-    q, e = divmod(m_total, world)
-    start = rank * q + min(rank, e)
-    return list(range(start, start + q + (1 if rank < e else 0)))
-
-
-def owner(m: int, m_total: int, world: int) -> int:
-    """The rank of ``world`` that owns micro-batch ``m`` (the inverse of :func:`owned`)."""
-    _check(m_total, world)
-    if not 0 <= m < m_total:
-        raise ValueError(f"micro-batch {m} is not in 0..{m_total - 1}")
-    q, e = divmod(m_total, world)
-    big = e * (q + 1)  # micro-batches held by the first e ranks, q + 1 each
-    return m // (q + 1) if m < big else e + (m - big) // q
-
-
-def micro_batch_seed(seed: int, step: int, m: int) -> int:
-    """A 63-bit RNG seed for micro-batch ``m`` of ``step`` (dropout, augmentation): W plays no part."""
-    digest = hashlib.blake2b(f"hp.elastic/{seed}/{step}/{m}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") >> 1
+__all__ = ["micro_batch_samples", "micro_batch_seed", "owned", "owner"]
 
 
 def micro_batch_samples(step: int, m: int, micro_batch: int, global_batch: int) -> range:

@@ -1,0 +1,1 @@
+"""``hp demo --elastic``: the elastic job and its runner."""
