@@ -11,19 +11,9 @@ import pytest
 from hp.chaos.baselines import torchft_bench
 from hp.chaos.bench_recovery import analyse_torchrun
 from hp.core.cli import main as hp_main
-from hp.core.testing import HP, kill_tagged
+from hp.core.testing import HP, kill_tagged, tagged_pids
 
 
-def _alive_tagged(tag: str) -> list[int]:
-    needle, found = tag.encode() + b"\0", []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/environ", "rb") as f:
-                if int(pid) != os.getpid() and needle in f.read():
-                    found.append(int(pid))
-        except OSError:
-            pass
-    return found
 
 
 @pytest.mark.timeout(420)  # three variants, five jobs: a hang guard for a loaded 2-core box
@@ -36,7 +26,7 @@ def test_bench_recovery_hp_beats_checkpoint_restart_on_the_same_fault(tmp_path):
             [*HP, "bench", "recovery", "--json", "--model-size", "tiny", "--steps", "12", "--fault-step", "6",
              "--ckpt-every", "4", "--corpus-mb", "2", "--timeout", "120", "--log-dir", str(tmp_path / "logs")],
             env=env, capture_output=True, text=True, timeout=400, check=False)
-        left = _alive_tagged(tag)  # no launcher, worker, spare or Lighthouse may outlive the bench
+        left = tagged_pids(tag)  # no launcher, worker, spare or Lighthouse may outlive the bench
     finally:
         kill_tagged(tag)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]

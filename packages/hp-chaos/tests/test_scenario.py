@@ -12,7 +12,7 @@ from hp.chaos.faults.base import ScenarioError
 from hp.chaos.faults.process import ResumeHung, SignalAt
 from hp.chaos.scenario import load_scenario, parse_scenario
 from hp.core.plugins import list_backends
-from hp.core.testing import HP
+from hp.core.testing import HP, replaced
 
 GOOD = {
     "name": "kill-rank-in-allreduce",
@@ -24,21 +24,8 @@ GOOD = {
 
 
 def with_(path: str, value) -> dict:
-    """GOOD with the value at a dotted path (``faults.1.duration_s``) replaced; ``...`` deletes it."""
-    import copy
-
-    raw = copy.deepcopy(GOOD)
-    *parents, last = path.split(".")
-    node = raw
-    for p in parents:
-        node = node[int(p)] if isinstance(node, list) else node[p]
-    if value is ...:
-        del node[int(last) if isinstance(node, list) else last]
-    elif isinstance(node, list):
-        node[int(last)] = value
-    else:
-        node[last] = value
-    return raw
+    """GOOD with the value at a dotted path replaced; ``...`` deletes it."""
+    return replaced(GOOD, path, value)
 
 
 def test_the_issue_example_parses_into_typed_faults():
@@ -142,8 +129,8 @@ def test_each_kind_injects_in_process_or_from_outside():
 
 def test_hp_backends_lists_the_fault_family():
     faults = {b.name: b.dist for b in list_backends() if b.family == "fault"}
-    assert faults == dict.fromkeys(["exception", "hang", "kill", "loss", "node", "partition", "slow", "storage"],
-                                   "hp-chaos")
+    assert faults == dict.fromkeys(["exception", "hang", "join", "kill", "loss", "node", "partition", "preempt", "slow",
+                                    "storage"], "hp-chaos")
     out = subprocess.run([*HP, "backends"], capture_output=True, text=True, check=True).stdout
     assert any(line.split()[:3] == ["fault", "partition", "hp-chaos"] for line in out.splitlines())
 
@@ -177,7 +164,7 @@ def test_hp_chaos_run_rejects_a_malformed_file_in_one_line_with_exit_2(tmp_path,
 def test_hp_chaos_faults_documents_every_kind():
     out = subprocess.run([*HP, "chaos", "faults", "--json"], capture_output=True, text=True, check=True).stdout
     rows = {r["kind"]: r for r in __import__("json").loads(out)}
-    assert set(rows) == {"exception", "hang", "kill", "loss", "node", "partition", "slow", "storage"}
+    assert set(rows) == {"exception", "hang", "join", "kill", "loss", "node", "partition", "preempt", "slow", "storage"}
     assert all(r["doc"] for r in rows.values())
     assert rows["kill"]["targets"] == ["rank", "spare", "controller"] and rows["kill"]["phase"] is True
     assert rows["storage"]["params"] == ["duration_s", "mode"]

@@ -2,7 +2,7 @@
 
 - scenarios (:mod:`hp.chaos.scenario`): a job, faults and expectations, from YAML;
 - fault kinds (plugin family ``fault``, :mod:`hp.chaos.faults`): kill, hang, exception, slow,
-  node, partition, loss, storage;
+  node, partition, loss, storage, and for elastic jobs preempt, join;
 - the runner (:mod:`hp.chaos.runner`): reference vs faulted job, every expectation checked;
 - ``hp chaos run|report|faults``, the pytest plugin (:mod:`hp.chaos.pytest_plugin`), ``hp bench
   recovery`` (:mod:`hp.chaos.bench_recovery`).

@@ -104,6 +104,55 @@ def _add_goodput(bench: argparse._SubParsersAction) -> None:
     p.set_defaults(handler=_goodput)
 
 
+def _elastic(args: argparse.Namespace) -> int:
+    if args.steps < 60 or not 2 <= args.kill_step < args.steps // 4:
+        raise UsageError("need --steps >= 60 and 2 <= --kill-step < steps/4 (four scale events must fit)")
+    if args.global_batch % args.micro_batch or args.micro_batch < 1:
+        raise UsageError(f"--global-batch {args.global_batch} must be a multiple of --micro-batch {args.micro_batch}")
+    bench = _demo_bench("elastic", args.model_size)
+    try:
+        from hp.elastic.demo import run  # noqa: F401
+    except ImportError as e:
+        raise UsageError(f"hp bench elastic needs hp-elastic ({e}); pip install packages/hp-elastic") from None
+    cfg = bench.ElasticBenchConfig(steps=args.steps, global_batch=args.global_batch, micro_batch=args.micro_batch,
+                                   kill_step=args.kill_step, model_size=args.model_size, log_dir=args.log_dir)
+    result = bench.run_bench(cfg)
+    if args.out:
+        bench.write_result(result, args.out)
+    return _print_result(result, bench.format_table(result), args.json)
+
+
+def _add_elastic(bench: argparse._SubParsersAction) -> None:
+    p = bench.add_parser("elastic", help="pause per scale event (shrink on a kill, grow, preemption): hp in "
+                                         "process vs torchrun --nnodes MIN:MAX + DCP checkpoint-restart")
+    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--global-batch", type=int, default=24)
+    p.add_argument("--micro-batch", type=int, default=4)
+    p.add_argument("--kill-step", type=int, default=12)
+    p.add_argument("--model-size", default="tiny", help="tiny | small | 25m")
+    p.add_argument("--log-dir", default=None, help="default: a new temporary directory")
+    p.add_argument("--out", default=None, help="also write the result JSON here (e.g. results/bench_elastic.json)")
+    p.add_argument("--json", action="store_true", help="last stdout line: one JSON object")
+    p.set_defaults(handler=_elastic)
+
+
+def _add_exact(bench: argparse._SubParsersAction) -> None:
+    """``hp bench exact``: hp-elastic's bench (its arguments are its own); needs hp-elastic installed."""
+    p = bench.add_parser("exact", help="step-time cost of exact mode (W-independent integer reduction) against "
+                                       "the float all-reduce, one rank per core")
+    try:
+        from hp.elastic import bench_exact  # no torch at import: the CLI loads every plugin
+    except ImportError as e:
+        p.set_defaults(handler=lambda args, e=e: _missing("hp bench exact", "hp-elastic", e))
+        return
+    bench_exact.add_arguments(p)
+    p.set_defaults(handler=bench_exact.run_cli)
+
+
+def _missing(what: str, dist: str, e: Exception) -> int:
+    raise UsageError(f"{what} needs {dist} ({e}); pip install packages/{dist}")
+
+
 def _chaos_run(args: argparse.Namespace) -> int:
     try:
         from hp.chaos.report import format_table
@@ -132,6 +181,8 @@ def _chaos_run(args: argparse.Namespace) -> int:
     print(f"result written to {out} (picture: hp chaos report {out})", flush=True)
     if args.json:
         summary = {k: result[k] for k in ("passed", "bitwise_equal", "lost_steps", "recovery_s", "goodput", "failures")}
+        if "elastic" in result:  # an elastic job: how its world size went, and each scale event's pause
+            summary.update({k: result["elastic"][k] for k in ("world_sizes", "pause_s")})
         print(json.dumps({"name": result["name"], **summary, "result": out}), flush=True)
     return 0 if result["passed"] else 1
 
@@ -193,4 +244,6 @@ def hp_cli_commands(subparsers: argparse._SubParsersAction) -> None:
     bench = p.add_subparsers(title="benchmarks", metavar="BENCHMARK", required=True)
     _add_recovery(bench)
     _add_goodput(bench)
+    _add_elastic(bench)
+    _add_exact(bench)
     _add_chaos(subparsers)

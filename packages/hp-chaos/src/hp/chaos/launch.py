@@ -5,6 +5,11 @@ per node: on loopback for ``nodes: 1``, in a network namespace per node
 (:class:`hp.chaos.topology.Topology`) otherwise. While it runs, the events its processes record
 (:mod:`hp.checkpointless.events`) are tailed, so the runner's actions (a signal to a spare, an
 iptables rule) can fire at a step; the runner records its own actions into the same event log.
+
+An elastic job (``job.elastic``) is the same command with :mod:`hp.elastic.demo.train` as the
+script and ``--nnodes NODES:MAX_NODES --scaling-policy FILE`` (the policy written into the run's
+log directory); it gets a namespace per node it may ever have (``max_nodes``), so a node that
+joins later (a ``join`` fault: :meth:`Live.start_agent`) has its own address too.
 """
 
 from __future__ import annotations
@@ -30,6 +35,8 @@ from hp.core.testing import HP, free_port, kill_tagged
 
 POLL_S = 0.02
 TAG_ENV = "HP_CHAOS_RUN"  # every process of a run inherits it: stragglers are found and killed by it
+FIXED_TRAIN, ELASTIC_TRAIN = "hp.checkpointless.demo.train", "hp.elastic.demo.train"
+POLICY_FILE = "policy.yaml"
 
 
 def demo_config(job: JobSpec, spares: int | None = None, train_args: list[str] = ()) -> DemoConfig:
@@ -38,24 +45,48 @@ def demo_config(job: JobSpec, spares: int | None = None, train_args: list[str] =
                       seed=job.seed, max_restarts=job.max_restarts, train_args=list(train_args))
 
 
-def agent_flags(nnodes: int, node: int, endpoint: str | None, extra: Sequence[str] = ()) -> list[str]:
-    """``hp run`` flags of one node of an ``nnodes`` job whose controller is at ``endpoint``."""
+def agent_flags(nnodes: int, node: int, endpoint: str | None, extra: Sequence[str] = (),
+                max_nodes: int | None = None) -> list[str]:
+    """``hp run`` flags of one node of an ``nnodes`` job whose controller is at ``endpoint``;
+    ``max_nodes`` (elastic): ``--nnodes NNODES:MAX_NODES``."""
     flags = list(extra)
-    if nnodes > 1:
+    if max_nodes is not None:
+        flags += ["--nnodes", f"{nnodes}:{max_nodes}", "--node-rank", str(node)]
+    elif nnodes > 1:
         flags += ["--nnodes", str(nnodes), "--node-rank", str(node)]
     if endpoint:
         flags += ["--rdzv-endpoint", endpoint]
     return flags
 
 
-def node_command(job: JobSpec, cfg: DemoConfig, log_dir: str, node: int, endpoint: str | None) -> list[str]:
-    """``hp run`` of one node: the demo's command with the job's agent flags added."""
+def write_policy(job: JobSpec, log_dir: str) -> tuple[str, list[str]]:
+    """Write the elastic job's scaling policy into ``log_dir``: its path, and the elastic script's
+    flags for it (``--policy PATH``, ``--exact``)."""
+    from hp.elastic.demo.run import POLICY
+
+    e = job.elastic
+    path = os.path.join(log_dir, POLICY_FILE)
+    with open(path, "w") as f:
+        f.write(POLICY.format(min=e.min_replicas, max=e.max_replicas, global_batch=e.global_batch,
+                              micro_batch=e.micro_batch))
+    return path, ["--policy", path, *(["--exact"] if e.exact else [])]
+
+
+def node_command(job: JobSpec, cfg: DemoConfig, log_dir: str, node: int, endpoint: str | None,
+                 policy: str | None = None) -> list[str]:
+    """``hp run`` of one node: the demo's command with the job's agent flags added; an elastic job
+    (``policy``: its scaling policy file) runs the elastic demo script under that policy."""
     flags = ["--heartbeat-timeout", str(job.heartbeat_timeout_s)]
     if job.replenish_spares:
         flags.append("--replenish-spares")
     if job.controller == "standalone":
         flags.append("--external-controller")
-    return job_command(cfg, log_dir, agent_flags(job.nodes, node, endpoint, flags))
+    if job.elastic is None:
+        return job_command(cfg, log_dir, agent_flags(job.nodes, node, endpoint, flags))
+    argv = job_command(cfg, log_dir, agent_flags(job.nodes, node, endpoint, [*flags, "--scaling-policy", policy],
+                                                 max_nodes=job.max_nodes))
+    argv[argv.index(FIXED_TRAIN)] = ELASTIC_TRAIN  # same flags (--steps, --model-size, --corpus-mb, --seed)
+    return argv
 
 
 def start_agent(topo: Any, node: int, argv: list[str], env: dict[str, str], **popen: Any) -> subprocess.Popen:
@@ -66,11 +97,13 @@ def start_agent(topo: Any, node: int, argv: list[str], env: dict[str, str], **po
     return topo.run_in(node, argv, {**env, "GLOO_SOCKET_IFNAME": topo.ifname(node)}, **popen)
 
 
-def controller_command(job: JobSpec, host: str, port: int, log_dir: str) -> list[str]:
+def controller_command(job: JobSpec, host: str, port: int, log_dir: str, policy: str | None = None) -> list[str]:
     """A standalone ``hp controller`` (and its store) for the job, as on Kubernetes."""
-    return [*HP, "controller", "--nnodes", str(job.nodes), "--host", host, "--port", str(port),
+    nnodes = str(job.nodes) if job.elastic is None else f"{job.nodes}:{job.max_nodes}"
+    return [*HP, "controller", "--nnodes", nnodes, "--host", host, "--port", str(port),
             "--max-restarts", str(job.max_restarts), "--heartbeat-timeout", str(job.heartbeat_timeout_s),
-            "--decision-log", os.path.join(log_dir, "controller_decisions.jsonl")]
+            "--decision-log", os.path.join(log_dir, "controller_decisions.jsonl"),
+            *(["--scaling-policy", policy] if policy else [])]
 
 
 class _Tail:
@@ -107,8 +140,14 @@ class Live:
     topology: Any = None
     spares_per_node: int = 1
     controller: subprocess.Popen | None = None  # a standalone `hp controller`, else node 0's agent hosts it
+    starter: Callable[[int, str], subprocess.Popen] | None = None  # (node, log dir name) -> a new agent
     _committed: int = -1
     _spares: dict[str, int] = field(default_factory=dict)
+    _ranks: dict[int, tuple[int, float, int]] = field(default_factory=dict)  # rank -> (generation, t, pid)
+    _node_agents: dict[int, subprocess.Popen] = field(default_factory=dict)  # node -> its newest agent
+
+    def __post_init__(self) -> None:
+        self._node_agents.update(enumerate(self.agents))
 
     def update(self) -> None:
         for e in self.tail.poll():
@@ -116,6 +155,10 @@ class Live:
                 self._committed = max(self._committed, e["step"])
             elif e["event"] == Event.SPARE_READY:
                 self._spares[e["spare"]] = e["pid"]
+            rank, generation = e.get("rank"), e.get("generation")
+            if type(rank) is int and type(generation) is int and e["event"] != Event.FAULT_INJECTED \
+                    and (generation, e["t"]) >= self._ranks.get(rank, (-1, 0.0, 0))[:2]:
+                self._ranks[rank] = (generation, e["t"], e["pid"])  # a scale event renumbers ranks
 
     def committed(self) -> int:
         return self._committed
@@ -130,6 +173,23 @@ class Live:
     def controller_pid(self) -> int | None:
         return (self.controller or self.agents[0]).pid
 
+    def rank_pid(self, rank: int) -> int | None:
+        """The process that holds ``rank`` in the newest generation its events show."""
+        return self._ranks[rank][2] if rank in self._ranks else None
+
+    def agent_pid(self, node: int) -> int | None:
+        agent = self._node_agents.get(node)
+        return agent.pid if agent is not None and agent.poll() is None else None
+
+    def start_agent(self, node: int, name: str) -> int:
+        """A new agent for ``node`` (logs under ``name``), watched and reaped like the first ones."""
+        if self.starter is None:
+            raise RuntimeError("this run cannot start agents")
+        agent = self.starter(node, name)
+        self.agents.append(agent)
+        self._node_agents[node] = agent
+        return agent.pid
+
     def record(self, event: str, **fields: Any) -> None:
         self.log.record(event, **fields)
 
@@ -140,7 +200,8 @@ class JobRun:
     timed_out: bool
     orphans_killed: int  # processes of the job still alive after its agents ended
     action_errors: list[str]
-    agent_returncodes: list[int] = field(default_factory=list)  # per node
+    agent_returncodes: list[int] = field(default_factory=list)  # per agent: one per node, then joined ones
+    agent_pids: list[int] = field(default_factory=list)  # the same agents' pids
 
 
 def run_job(job: JobSpec, log_dir: str, hp_faults: list[dict], actions: list[Action] = (),
@@ -150,31 +211,47 @@ def run_job(job: JobSpec, log_dir: str, hp_faults: list[dict], actions: list[Act
     it started is gone when this returns. ``train_args``: extra flags for the training script."""
     os.makedirs(log_dir, exist_ok=True)
     tag = uuid.uuid4().hex
+    policy = None
+    if job.elastic is not None:
+        policy, elastic_args = write_policy(job, log_dir)
+        train_args = [*train_args, *elastic_args]
     cfg = demo_config(job, spares, train_args)
-    base_env = {**os.environ, **(env or {}), "HP_FAULTS": json.dumps(hp_faults), TAG_ENV: tag}
+    # exact mode needs the same thread count in every process, whatever its node's rank count
+    threads = {"OMP_NUM_THREADS": "1"} if job.elastic is not None else {}
+    base_env = {**os.environ, **threads, **(env or {}), "HP_FAULTS": json.dumps(hp_faults), TAG_ENV: tag}
     with contextlib.ExitStack() as stack:
         topo = None
-        if job.nodes > 1:
+        if job.max_nodes > 1:
             from hp.chaos.topology import Topology
 
-            topo = stack.enter_context(Topology(job.nodes))
+            topo = stack.enter_context(Topology(job.max_nodes))  # a node joining later has its namespace too
             base_env.setdefault(auth.TOKEN_ENV, auth.new_token())
         out = stack.enter_context(open(os.path.join(log_dir, "job.out"), "w"))
-        node_dirs = [log_dir] if job.nodes == 1 else [os.path.join(log_dir, f"node{i}") for i in range(job.nodes)]
+        node_dirs = [log_dir] if job.max_nodes == 1 else [os.path.join(log_dir, f"node{i}") for i in range(job.nodes)]
         host = topo.address(0) if topo else "127.0.0.1"
-        endpoint = f"{host}:{free_port()}" if topo or job.controller == "standalone" else None
+        endpoint = f"{host}:{free_port()}" if topo or job.controller == "standalone" or policy else None
         agents, controller = [], None
         start = time.monotonic()
         if job.controller == "standalone":
             base_env.setdefault(auth.TOKEN_ENV, auth.new_token())
-            argv = controller_command(job, host, int(endpoint.rsplit(":", 1)[1]), node_dirs[0])
+            argv = controller_command(job, host, int(endpoint.rsplit(":", 1)[1]), node_dirs[0], policy)
             kw = {"stdout": out, "stderr": subprocess.STDOUT, "start_new_session": True}
             controller = topo.run_in(0, argv, base_env, **kw) if topo else subprocess.Popen(argv, env=base_env, **kw)
-        for i, node_dir in enumerate(node_dirs):
-            agents.append(start_agent(topo, i, node_command(job, cfg, node_dir, i, endpoint), base_env,
-                                      stdout=out, stderr=subprocess.STDOUT, start_new_session=True))
+
+        def start_node(node: int, node_dir: str) -> subprocess.Popen:
+            return start_agent(topo, node, node_command(job, cfg, node_dir, node, endpoint, policy), base_env,
+                               stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+
+        def join(node: int, name: str) -> subprocess.Popen:  # a join fault: a new agent, its own log dir
+            node_dirs.append(os.path.join(log_dir, name))
+            live.tail.dirs.append(os.path.join(node_dirs[-1], "events"))
+            return start_node(node, node_dirs[-1])
+
+        for i, node_dir in enumerate(list(node_dirs)):
+            agents.append(start_node(i, node_dir))
         live = Live(agents, _Tail([os.path.join(d, "events") for d in node_dirs]),
-                    EventLog(os.path.join(node_dirs[0], "events"), "chaos"), storage, topo, job.spares, controller)
+                    EventLog(os.path.join(node_dirs[0], "events"), "chaos"), storage, topo, job.spares, controller,
+                    starter=join)
         try:
             timed_out, errors = _watch(live, list(actions), start + job.timeout_s)
         finally:
@@ -183,12 +260,12 @@ def run_job(job: JobSpec, log_dir: str, hp_faults: list[dict], actions: list[Act
         wall = time.monotonic() - start
     with open(os.path.join(log_dir, "job.out")) as f:
         output = f.read()
-    events = [e for d in node_dirs for e in read_events(os.path.join(d, "events"))]
+    events = [e for d in node_dirs for e in read_events(os.path.join(d, "events"))]  # a joined node's too
     events.sort(key=lambda e: e["t"])
     # the job's outcome is the controller's, i.e. node 0's agent's: another node may be lost on purpose
     code = agents[0].returncode if not timed_out else 124
     return JobRun(RunResult(code, wall, events, output), timed_out, orphans, errors,
-                  [a.returncode for a in agents])
+                  [a.returncode for a in agents], [a.pid for a in agents])
 
 
 def _watch(live: Live, actions: list[Action], deadline: float) -> tuple[bool, list[str]]:

@@ -41,6 +41,7 @@ def format_table(r: dict) -> str:
     ]
     if r.get("step_time_s") is not None and not math.isnan(r["step_time_s"]):
         rows.append(("step time (reference)", f"{r['step_time_s'] * 1000:.0f} ms"))
+    rows += _elastic_rows(r.get("elastic"))
     for f in r["faults"]:
         rows.append((f["fault"], ("recovery " + _secs(f["recovery_s"])) if f["fired"] else "NEVER FIRED"))
         rows += [(f"  {name}", f"{secs * 1000:.0f} ms") for name, secs in f["phases"].items()]
@@ -51,6 +52,23 @@ def format_table(r: dict) -> str:
         rows.append(("logs", r["log_dir"]))
     width = max(len(k) for k, _ in rows)
     return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+
+
+def _elastic_rows(e: dict | None) -> list[tuple[str, str]]:
+    """World sizes, each scale event's pause, and (exact mode) what bit-equality compared."""
+    if not e:
+        return []
+    rows = [("world sizes", " -> ".join(map(str, e["world_sizes"])))]
+    for c in e["scale_events"]:
+        pause = "-" if c["pause_s"] is None else f"{c['pause_s']:.3f} s"
+        rows.append((f"{c['kind']} {c['from']} -> {c['to']}", f"pause {pause} before step {c['first_step_after']} "
+                                                             f"(gap {c['gap_s']:.3f} s)"))
+    if e.get("exact"):
+        rows.append(("every rank's losses", "bit-identical" if e["losses_equal"] else
+                     f"DIFFER at steps {e['losses_differ'][:10]}"))
+        rows.append(("every rank's final state", "bit-identical" if e["state_equal"] else
+                     "DIFFERS: " + "; ".join(e["state_differences"][:4])))
+    return rows
 
 
 def write_png(r: dict, path: str) -> None:
@@ -78,8 +96,9 @@ def write_png(r: dict, path: str) -> None:
     ax.set_ylabel("loss (rank 0, global mean)")
     verdict = "PASSED" if r["passed"] else "FAILED"
     gp = "-" if r["goodput"] is None else f"{r['goodput']:.2f}"
+    sizes = f" | world {'->'.join(map(str, r['elastic']['world_sizes']))}" if r.get("elastic") else ""
     ax.set_title(f"{r['name']}: {verdict} | bit-identical: {'yes' if r['bitwise_equal'] else 'NO'} | "
-                 f"lost steps: {r['lost_steps']} | goodput: {gp}", fontsize=10)
+                 f"lost steps: {r['lost_steps']} | goodput: {gp}{sizes}", fontsize=10)
     ax.legend(fontsize=8, loc="upper right")
     ax.grid(alpha=0.3)
 

@@ -10,6 +10,17 @@ step time, so a fault's cost (detection, recovery, replayed or stalled steps) is
 the run's own pace, not the reference's, because a shared machine's load differs between two runs.
 Start-up (imports, model build) is the same with or without faults and dominates a tiny job: it is
 outside the window.
+
+**Elastic jobs** (``job.elastic``): the reference is the same job (same nodes and ranks per node,
+same policy and flags) with no fault, so it runs at its initial world size throughout. The faulted
+run's world size per step comes from its commit events (``world``), its scale events and their
+pauses from :func:`hp.elastic.demo.run.scale_events` (pause = first commit at the new size − last
+commit at the old one − the median step time at the new size; the whole gap where no two
+consecutive steps ran at the new size). In exact mode bit-equality is every rank's loss of every
+step (one value per step, the reference's) and every rank's final state (weights, buffers,
+optimizer: :func:`hp.checkpointless.demo.run.compare_state`) against the reference's: against the
+same rank, or rank 0's where the reference had no such rank (a grown job; every rank of a
+replicated job holds the same state, which ``compare_state`` checks too).
 """
 
 from __future__ import annotations
@@ -28,7 +39,7 @@ from hp.chaos.faults import fault_kinds
 from hp.chaos.faults.base import FaultSpec
 from hp.chaos.launch import JobRun, run_job
 from hp.chaos.scenario import JobSpec, Scenario
-from hp.checkpointless.demo.run import RunResult, compare, recovery_timeline, step_time
+from hp.checkpointless.demo.run import RunResult, compare, compare_state, final_states, recovery_timeline, step_time
 from hp.core.protocol import Event
 
 
@@ -175,6 +186,9 @@ def evaluate(scenario: Scenario, reference: RunResult, run: JobRun, persisted: d
                        "phases": phases})
     recoveries = len({e["generation"] for e in events if e["event"] == Event.FAILURE_DETECTED})
     gp = goodput(faulted)
+    elastic = _elastic(scenario, reference, faulted) if scenario.job.elastic is not None else None
+    if elastic is not None and "bitwise_equal" in elastic:
+        verdict = {**verdict, "bitwise_equal": elastic["bitwise_equal"]}
     failures: list[str] = []
     if reference.returncode != 0:
         failures.append(f"reference: the fault-free job failed (exit {reference.returncode}): "
@@ -186,15 +200,26 @@ def evaluate(scenario: Scenario, reference: RunResult, run: JobRun, persisted: d
         failures.append(f"completes: the faulted job failed (exit {faulted.returncode}): {_last_line(faulted.output)}")
     elif not expect.completes and completed:
         failures.append("completes: expected the faulted job to fail, it completed")
+    exits = dict(zip(run.agent_pids, run.agent_returncodes))
     for i, f in enumerate(faults):
         if not f["fired"]:
             failures.append(f"faults[{i}] ({f['fault']}) never fired")
+        elif scenario.faults[i].kind == "preempt":  # a graceful leave: the preempted agent exits 0
+            event = next(e for e in injected if _matches(scenario.faults[i], e))
+            f["agent_exit"] = exits.get(event.get("pid"))
+            if f["agent_exit"] != 0:
+                failures.append(f"faults[{i}] ({f['fault']}): the preempted agent exited {f['agent_exit']}, "
+                                "not 0 (its ranks did not leave the job gracefully)")
     failures += [f"fault action: {e}" for e in run.action_errors]
     if expect.bitwise_equal is not None and verdict["bitwise_equal"] != expect.bitwise_equal:
-        ref, got = reference.losses(), faulted.losses()
-        differ = sorted(s for s in set(ref) | set(got) if set(got.get(s, [])) != set(ref.get(s, [])[:1]))
-        failures.append(f"bitwise_equal: expected {expect.bitwise_equal}, got {verdict['bitwise_equal']} "
-                        f"(steps differing or missing: {differ[:10]})")
+        if elastic is not None and "losses_differ" in elastic:
+            why = (f"steps whose losses (any rank) differ or are missing: {elastic['losses_differ'][:10]}; "
+                   f"final state: {'; '.join(elastic['state_differences'][:4]) or 'equal'}")
+        else:
+            ref, got = reference.losses(), faulted.losses()
+            differ = sorted(s for s in set(ref) | set(got) if set(got.get(s, [])) != set(ref.get(s, [])[:1]))
+            why = f"steps differing or missing: {differ[:10]}"
+        failures.append(f"bitwise_equal: expected {expect.bitwise_equal}, got {verdict['bitwise_equal']} ({why})")
     if expect.lost_steps is not None and verdict["lost_steps"] > expect.lost_steps:
         failures.append(f"lost_steps: expected <= {expect.lost_steps}, got {verdict['lost_steps']}")
     if expect.max_recovery_s is not None:
@@ -209,6 +234,14 @@ def evaluate(scenario: Scenario, reference: RunResult, run: JobRun, persisted: d
         failures.append(f"recoveries: expected <= {expect.recoveries}, got {recoveries}")
     if expect.error_contains is not None and expect.error_contains not in faulted.output:
         failures.append(f"error_contains: {expect.error_contains!r} not in the faulted job's output")
+    if expect.world_sizes is not None and elastic["world_sizes"] != expect.world_sizes:
+        failures.append(f"world_sizes: expected {expect.world_sizes}, got {elastic['world_sizes']}")
+    if expect.max_pause_s is not None:
+        for c in elastic["scale_events"]:
+            pause = c["pause_s"] if c["pause_s"] is not None else c["gap_s"]
+            if pause > expect.max_pause_s:
+                failures.append(f"max_pause_s: the {c['kind']} {c['from']} -> {c['to']} before step "
+                                f"{c['first_step_after']} expected <= {expect.max_pause_s} s, got {pause:.3f} s")
     if expect.persisted_step is not None and not (persisted and persisted["ok"]):
         got = persisted["detail"].splitlines()[-1] if persisted and persisted["detail"] else "not checked"
         failures.append(f"persisted_step: no complete checkpoint of step {expect.persisted_step} in S3 "
@@ -230,6 +263,7 @@ def evaluate(scenario: Scenario, reference: RunResult, run: JobRun, persisted: d
         "wall_s": {"reference": reference.wall_s, "faulted": faulted.wall_s},
         "orphans_killed": run.orphans_killed,
         **({"persisted": persisted} if persisted is not None else {}),
+        **({"elastic": {k: v for k, v in elastic.items() if k != "bitwise_equal"}} if elastic is not None else {}),
         "agent_returncodes": run.agent_returncodes,
         "losses": {"reference": _floats(reference.losses()), "faulted": _floats(faulted.losses())},
         "t0": {"reference": _first_commit(reference), "faulted": _first_commit(faulted)},
@@ -238,6 +272,44 @@ def evaluate(scenario: Scenario, reference: RunResult, run: JobRun, persisted: d
         "source": scenario.source,
         **({} if completed else {"error_tail": faulted.output[-1500:]}),
     }
+
+
+def _elastic(scenario: Scenario, reference: RunResult, faulted: RunResult) -> dict:
+    """World sizes, scale events and (exact mode) every rank's losses and final state against the
+    reference; see the module docstring."""
+    from hp.elastic.demo.run import commits, scale_events, world_by_step
+
+    worlds = world_by_step(faulted.events)
+    sizes = [worlds[s] for s in sorted(worlds)]
+    changes = [{k: _finite(v) for k, v in c.items()} for c in scale_events(faulted.events)]
+    out: dict[str, Any] = {
+        "world_sizes": [w for i, w in enumerate(sizes) if i == 0 or w != sizes[i - 1]],
+        "pause_s": [c["pause_s"] for c in changes],
+        "scale_events": changes,
+        "exact": scenario.job.elastic.exact,
+    }
+    if scenario.job.elastic.exact:
+        ref = {s: {e["loss"] for e in es} for s, es in commits(reference.events).items()}
+        got = {s: {e["loss"] for e in es} for s, es in commits(faulted.events).items()}
+        differ = sorted(s for s in set(ref) | set(got) if got.get(s) != ref.get(s) or len(got[s]) != 1)
+        state = compare_state(_reference_states(reference, faulted), faulted)
+        out.update({"losses_equal": not differ, "losses_differ": differ, **state,
+                    "bitwise_equal": not differ and state["state_equal"]})
+    return out
+
+
+def _reference_states(reference: RunResult, faulted: RunResult) -> RunResult:
+    """The reference's final state for each rank the faulted run ended with: the same rank's, or rank
+    0's where the reference (at its fixed size) had no such rank."""
+    ref, got = final_states(reference), final_states(faulted)
+    if not ref or "0" not in ref or not got:
+        return reference
+    events = [{"event": Event.FINAL_STATE, "rank": int(r), "digests": ref.get(r, ref["0"])} for r in got]
+    return RunResult(reference.returncode, reference.wall_s, events, "")
+
+
+def _finite(v: Any) -> Any:
+    return None if isinstance(v, float) and v != v else v  # NaN (no step time at the new size) -> null
 
 
 def _first_commit(result: RunResult) -> float | None:

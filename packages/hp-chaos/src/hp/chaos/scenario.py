@@ -12,6 +12,19 @@ expect: {completes: true, bitwise_equal: true, lost_steps: 0, max_recovery_s: 2.
 Every key is checked; a malformed file raises :class:`ScenarioError` whose ``key`` names the
 offending key (``job.steps``, ``faults[1].duration_s``, ...). Fault parameters are validated by
 the fault kind itself (plugin family ``fault``).
+
+An elastic job (a scaling policy; :class:`ElasticSpec`) runs :mod:`hp.elastic.demo.train` under
+``hp run --nnodes NODES:MAX_NODES --scaling-policy``; its world size follows kills, preemptions and
+joining nodes, and ``expect`` can say how (``world_sizes``, ``max_pause_s``)::
+
+```yaml
+name: elastic-shrink-on-kill
+job: {nodes: 2, nproc_per_node: 1, spares: 0, steps: 40,
+      elastic: {min_replicas: 1, max_replicas: 2, global_batch: 8, micro_batch: 2, exact: true}}
+faults:
+  - {at_step: 4, kind: kill, target: "rank:1"}
+expect: {completes: true, bitwise_equal: true, world_sizes: [2, 1, 2], max_pause_s: 30}
+```
 """
 
 from __future__ import annotations
@@ -36,8 +49,25 @@ class CheckpointSpec:
 
 
 @dataclass(frozen=True)
+class ElasticSpec:
+    """``job.elastic``: the job runs :mod:`hp.elastic.demo.train` (a constant global batch of
+    ``global_batch // micro_batch`` micro-batches per step at any world size) under ``hp run
+    --nnodes NODES:MAX_NODES --scaling-policy`` with a policy of these values; ``exact``: exact
+    mode (``--exact``), bit-identical at every world size. Node ranks up to ``max_nodes`` (default:
+    ``job.nodes``) may join while it runs (``join`` faults)."""
+
+    min_replicas: int = 1
+    max_replicas: int = 2
+    global_batch: int = 8
+    micro_batch: int = 2
+    exact: bool = True
+    max_nodes: int | None = None
+
+
+@dataclass(frozen=True)
 class JobSpec:
-    """The job under test: ``hp run`` of the demo GPT (:mod:`hp.checkpointless.demo.train`)."""
+    """The job under test: ``hp run`` of the demo GPT (:mod:`hp.checkpointless.demo.train`), or with
+    ``elastic`` its elastic variant (:mod:`hp.elastic.demo.train`)."""
 
     nodes: int = 1
     nproc_per_node: int = 4
@@ -53,15 +83,24 @@ class JobSpec:
     corpus_mb: int = 2
     timeout_s: float = 240.0  # a hang guard per job, not a measurement
     checkpoint: CheckpointSpec | None = None  # a mapping in the file; see CheckpointSpec
+    elastic: ElasticSpec | None = None  # a mapping in the file; see ElasticSpec
+
+    @property
+    def max_nodes(self) -> int:
+        """Node ranks the job may ever have (elastic: up to ``elastic.max_nodes``)."""
+        return max(self.nodes, (self.elastic.max_nodes or 0) if self.elastic else 0)
 
     @property
     def shape(self) -> JobShape:
-        return JobShape(self.nodes, self.nproc_per_node, self.spares, self.steps)
+        return JobShape(self.nodes, self.nproc_per_node, self.spares, self.steps, self.elastic is not None,
+                        self.max_nodes, self.controller)
 
     def reference_key(self) -> tuple:
         """What the fault-free losses depend on (not spares, timeouts or restarts)."""
         ckpt = astuple(self.checkpoint) if self.checkpoint else None  # a restore could change the losses
-        return (self.nodes, self.nproc_per_node, self.steps, self.model, self.seed, self.corpus_mb, ckpt)
+        elastic = astuple(self.elastic) if self.elastic else None
+        key = (self.nodes, self.nproc_per_node, self.steps, self.model, self.seed, self.corpus_mb, ckpt)
+        return key + (elastic,) if elastic else key  # (unchanged for a fixed-size job: cached references stay valid)
 
 
 @dataclass(frozen=True)
@@ -76,6 +115,8 @@ class Expect:
     recoveries: int | None = None  # new generations after a failure (0: the fault was absorbed)
     error_contains: str | None = None  # in the faulted job's output (for completes: false)
     persisted_step: int | None = None  # after the job: S3 holds a complete, verified checkpoint of it
+    world_sizes: list[int] | None = None  # elastic: the distinct consecutive world sizes by step, e.g. [2, 1, 2]
+    max_pause_s: float | None = None  # elastic: every scale event's pause (hp.elastic.demo.run.scale_events)
 
 
 @dataclass(frozen=True)
@@ -90,7 +131,8 @@ class Scenario:
 
 _MINIMUM = {"nodes": 1, "nproc_per_node": 1, "spares": 0, "steps": 2, "seed": 0, "max_restarts": 0, "corpus_mb": 1,
             "hang_timeout_s": 0.1, "timeout_s": 1.0, "heartbeat_timeout_s": 2.5,
-            "every": 1, "persist_every": 1, "persisted_step": 0}
+            "every": 1, "persist_every": 1, "persisted_step": 0,
+            "min_replicas": 1, "max_replicas": 1, "global_batch": 1, "micro_batch": 1, "max_nodes": 1}
 _SCALARS = {"bool": bool, "int": int, "float": float, "str": str}
 
 
@@ -104,10 +146,15 @@ def _typed(cls: type, raw: Any, key: str) -> Any:
     for k, v in raw.items():
         if k not in types:
             raise ScenarioError(f"{key}.{k}", f"unknown key; keys: {sorted(types)}")
-        want = _SCALARS[str(types[k]).split(" | ")[0]]
         if v is None and str(types[k]).endswith("| None"):
             out[k] = v
             continue
+        if str(types[k]).startswith("list[int]"):
+            if not isinstance(v, list) or not v or any(type(x) is not int or x < 1 for x in v):
+                raise ScenarioError(f"{key}.{k}", f"must be a non-empty list of positive integers, got {v!r}")
+            out[k] = v
+            continue
+        want = _SCALARS[str(types[k]).split(" | ")[0]]
         if want is float and type(v) is int:
             v = float(v)
         if type(v) is not want:
@@ -131,13 +178,16 @@ def parse_scenario(raw: Any, source: str | None = None) -> Scenario:
     if not isinstance(name, str) or not name.strip():
         raise ScenarioError("name", f"must be a non-empty string, got {name!r}")
     raw_job = raw.get("job", {})
-    raw_ckpt = None
-    if isinstance(raw_job, dict):  # a mapping of its own, validated as one; the caller's dict is left alone
+    raw_ckpt = raw_elastic = None
+    if isinstance(raw_job, dict):  # mappings of their own, validated as such; the caller's dict is left alone
         raw_job = dict(raw_job)
         raw_ckpt = raw_job.pop("checkpoint", None)
+        raw_elastic = raw_job.pop("elastic", None)
     job = _typed(JobSpec, raw_job, "job")
     if raw_ckpt is not None:
         job = replace(job, checkpoint=_typed(CheckpointSpec, raw_ckpt, "job.checkpoint"))
+    if raw_elastic is not None:
+        job = replace(job, elastic=_elastic(_typed(ElasticSpec, raw_elastic, "job.elastic"), job))
     from hp.checkpointless.demo.sizes import MODEL_SIZES
 
     if job.controller not in ("agent", "standalone"):
@@ -171,6 +221,8 @@ def parse_scenario(raw: Any, source: str | None = None) -> Scenario:
             raise ScenarioError("expect.persisted_step", f"must be a step the job persists (a multiple of "
                                 f"job.checkpoint.persist_every={ckpt.persist_every} below job.steps={job.steps}), "
                                 f"got {expect.persisted_step}")
+    _check_elastic_expect(expect, job)
+    _check_joins(specs, job)
     if job.checkpoint is None:
         for spec in specs:
             if spec.target.kind == "storage":
@@ -180,6 +232,62 @@ def parse_scenario(raw: Any, source: str | None = None) -> Scenario:
     if not isinstance(description, str):
         raise ScenarioError("description", "must be a string")
     return Scenario(name.strip(), job, specs, expect, description.strip(), source)
+
+
+def _elastic(e: ElasticSpec, job: JobSpec) -> ElasticSpec:
+    """Cross-checks of ``job.elastic`` (the policy hp-elastic would refuse, and the job's shape)."""
+    if e.max_replicas < e.min_replicas:
+        raise ScenarioError("job.elastic.max_replicas", f"must be >= min_replicas={e.min_replicas}, "
+                                                        f"got {e.max_replicas}")
+    if e.global_batch % e.micro_batch:
+        raise ScenarioError("job.elastic.global_batch", f"must be a multiple of micro_batch={e.micro_batch}, "
+                                                        f"got {e.global_batch}")
+    world = job.nodes * job.nproc_per_node
+    if not e.min_replicas <= world <= e.max_replicas:
+        raise ScenarioError(f"job.elastic.{'min_replicas' if world < e.min_replicas else 'max_replicas'}",
+                            f"the job starts with {world} ranks (nodes x nproc_per_node): must be within "
+                            f"[min_replicas, max_replicas] = [{e.min_replicas}, {e.max_replicas}]")
+    if e.max_nodes is not None and e.max_nodes < job.nodes:
+        raise ScenarioError("job.elastic.max_nodes", f"must be >= job.nodes={job.nodes}, got {e.max_nodes}")
+    if job.checkpoint is not None:
+        raise ScenarioError("job.elastic", "cannot be combined with job.checkpoint (the elastic demo job "
+                                           "does not checkpoint)")
+    return e
+
+
+def _check_elastic_expect(expect: Expect, job: JobSpec) -> None:
+    for name in ("world_sizes", "max_pause_s"):
+        if getattr(expect, name) is not None and job.elastic is None:
+            raise ScenarioError(f"expect.{name}", "needs an elastic job (job.elastic)")
+    if expect.max_pause_s is not None and expect.max_pause_s <= 0:
+        raise ScenarioError("expect.max_pause_s", f"must be > 0, got {expect.max_pause_s}")
+    if expect.world_sizes is not None:
+        e, sizes = job.elastic, expect.world_sizes
+        world = job.nodes * job.nproc_per_node
+        if sizes[0] != world:
+            raise ScenarioError("expect.world_sizes", f"must start with the job's world size {world} "
+                                                      f"(nodes x nproc_per_node), got {sizes}")
+        if any(a == b for a, b in zip(sizes, sizes[1:])):
+            raise ScenarioError("expect.world_sizes", f"lists each change of size: no size twice in a row, got {sizes}")
+        bad = [w for w in sizes if not e.min_replicas <= w <= e.max_replicas]
+        if bad:
+            raise ScenarioError("expect.world_sizes", f"{bad} outside the policy's [min_replicas, max_replicas] = "
+                                                      f"[{e.min_replicas}, {e.max_replicas}]")
+
+
+def _check_joins(specs: list[FaultSpec], job: JobSpec) -> None:
+    """A node can only join when it is not in the job: it never was, or an earlier fault took it out."""
+    gone = set(range(job.nodes, job.max_nodes))
+    for spec in sorted(specs, key=lambda s: (s.at_step, s.index)):
+        node = spec.target.index
+        if spec.kind in ("preempt", "node"):
+            gone.add(node)
+        elif spec.kind == "join":
+            if node not in gone:
+                raise ScenarioError(f"faults[{spec.index}].target", f"node {node} is in the job when it joins: "
+                                    "a join needs a node that has not joined yet (below job.elastic.max_nodes) "
+                                    "or one a preempt or node fault took out at an earlier step")
+            gone.discard(node)
 
 
 def load_scenario(path: str | os.PathLike) -> Scenario:

@@ -1,11 +1,18 @@
 """What every fault kind is made of: targets, parameters, and how it gets into a running job.
 
-A fault in a scenario file is ``{kind, at_step, target, phase?, ...parameters}``. Its kind (a
-plugin of family ``fault``) validates it into a :class:`FaultSpec` and turns that into an
+A fault in a scenario file is ``{kind, at_step, target, phase?, at_event?, ...parameters}``. Its
+kind (a plugin of family ``fault``) validates it into a :class:`FaultSpec` and turns that into an
 :class:`Injection`: entries for the in-process plan (``HP_FAULTS``, read by
 :mod:`hp.checkpointless.faults`, exact to the step and phase) and :class:`Action` objects the
-runner performs from outside (a signal to a spare or an agent, an iptables rule), for what a
-training process cannot do to itself.
+runner performs from outside (a signal to a spare or an agent, an iptables rule, a new agent), for
+what a training process cannot do to itself.
+
+``at_event`` (kinds with ``event_trigger``): the runner fires the fault from outside the first time
+a process of the job records that event (a name of :class:`hp.core.protocol.Event`: ``rescaling``,
+``assigned``, ``pg_ready``, ``hydrated``, ...) after rank 0 committed step ``at_step - 1``. It is
+how a fault lands inside something whose step nobody knows in advance: a grow happens when the
+joiners are ready, so "SIGKILL rank 1 while the job re-forms to grow" is
+``{kind: kill, target: "rank:1", at_step: 3, at_event: rescaling}``.
 """
 
 from __future__ import annotations
@@ -65,10 +72,18 @@ class JobShape:
     nproc_per_node: int
     spares: int  # per node
     steps: int
+    elastic: bool = False  # the job has a scaling policy (job.elastic)
+    max_nodes: int = 0  # elastic: node ranks below this may join later (0: nodes)
+    controller: str = "agent"  # agent: node 0's agent hosts it | standalone
 
     @property
     def world_size(self) -> int:
         return self.nodes * self.nproc_per_node
+
+    @property
+    def all_nodes(self) -> int:
+        """Node ranks a fault may name: the job's, and those that may join it later."""
+        return max(self.nodes, self.max_nodes)
 
 
 @dataclass(frozen=True)
@@ -94,8 +109,11 @@ class FaultSpec:
     target: Target
     phase: str | None
     params: dict[str, Any] = field(default_factory=dict)
+    at_event: str | None = None  # fired by the runner on this event (after step at_step - 1 committed)
 
     def label(self) -> str:
+        if self.at_event:
+            return f"{self.kind} of {self.target} on {self.at_event} from step {self.at_step}"
         phase = f" ({self.phase})" if self.phase else ""
         return f"{self.kind} of {self.target} at step {self.at_step}{phase}"
 
@@ -110,6 +128,12 @@ class LiveJob(Protocol):
     def spare_pid(self, spare: int) -> int | None: ...
 
     def controller_pid(self) -> int | None: ...
+
+    def rank_pid(self, rank: int) -> int | None: ...  # the process holding the rank now (from its events)
+
+    def agent_pid(self, node: int) -> int | None: ...  # node's newest agent, while it runs
+
+    def start_agent(self, node: int, name: str) -> int: ...  # a new agent for node (joins the running job)
 
     def record(self, event: str, **fields: Any) -> None: ...  # into the job's event log
 
@@ -135,14 +159,26 @@ class Action:
 
 
 class AtStep(Action):
-    """Fires once rank 0 has committed ``at_step - 1``, i.e. while step ``at_step`` runs."""
+    """Fires once rank 0 has committed ``at_step - 1``, i.e. while step ``at_step`` runs; with the
+    spec's ``at_event``, at the first such event recorded after that commit."""
 
     def __init__(self, spec: FaultSpec) -> None:
         self.spec = spec
         self.duration_s = spec.params.get("duration_s")
+        self._armed_t: float | None = None  # when rank 0 committed at_step - 1
+        self._seen = 0  # events of the job already looked at
 
     def ready(self, job: LiveJob) -> bool:
-        return job.committed() >= self.spec.at_step - 1
+        if job.committed() < self.spec.at_step - 1:
+            return False
+        if self.spec.at_event is None:
+            return True
+        events = job.events()
+        if self._armed_t is None:
+            self._armed_t = next((e["t"] for e in events if e["event"] == Event.COMMIT and e.get("rank") == 0
+                                  and e["step"] == self.spec.at_step - 1), float("-inf"))
+        new, self._seen = events[self._seen:], len(events)
+        return any(e["event"] == self.spec.at_event and e["t"] >= self._armed_t and "fault" not in e for e in new)
 
     def record(self, job: LiveJob, **fields: Any) -> None:
         # the same event an in-process fault records, so hp's recovery timeline covers both
@@ -165,6 +201,8 @@ class FaultKind:
     targets: tuple[str, ...] = ()
     phased: bool = False
     min_nodes: int = 1
+    event_trigger: bool = False  # the runner can fire it on an event (``at_event``)
+    elastic_only: bool = False  # only for a job with a scaling policy (``job.elastic``)
     params: dict[str, Param] = {}
 
     @property
@@ -173,7 +211,7 @@ class FaultKind:
 
     def validate(self, raw: dict, key: str, index: int, job: JobShape) -> FaultSpec:
         """Check one raw fault mapping; :class:`ScenarioError` names the offending key."""
-        known = {"kind", "at_step", "target", "phase", *self.params}
+        known = {"kind", "at_step", "target", "phase", "at_event", *self.params}
         for k in raw:
             if k not in known:
                 raise ScenarioError(f"{key}.{k}", f"unknown key for a {self.name} fault; keys: {sorted(known)}")
@@ -186,10 +224,21 @@ class FaultKind:
         if target.kind not in self.targets:
             raise ScenarioError(f"{key}.target", f"a {self.name} fault targets {' or '.join(self.targets)}, "
                                                  f"got {str(target)!r}")
-        if job.nodes < self.min_nodes:
-            raise ScenarioError(f"{key}.kind", f"a {self.name} fault needs job.nodes >= {self.min_nodes}, "
-                                               f"got {job.nodes}")
+        if job.all_nodes < self.min_nodes:
+            raise ScenarioError(f"{key}.kind", f"a {self.name} fault needs job.nodes (or, elastic, "
+                                               f"job.elastic.max_nodes) >= {self.min_nodes}, got {job.all_nodes}")
+        if self.elastic_only and not job.elastic:
+            raise ScenarioError(f"{key}.kind", f"a {self.name} fault needs an elastic job (job.elastic)")
         self._check_target(target, f"{key}.target", job)
+        at_event = raw.get("at_event")
+        if at_event is not None:
+            if not self.event_trigger:
+                raise ScenarioError(f"{key}.at_event", f"a {self.name} fault cannot be fired on an event")
+            events = sorted(e.value for e in Event)
+            if not isinstance(at_event, str) or at_event not in events:
+                raise ScenarioError(f"{key}.at_event", f"must be an event name, one of {events}, got {at_event!r}")
+            if "phase" in raw:
+                raise ScenarioError(f"{key}.phase", "a fault fired on an event (at_event) takes no phase")
         phase = raw.get("phase")
         if phase is not None:
             if not (self.phased and target.kind == "rank"):
@@ -197,12 +246,14 @@ class FaultKind:
                                                     "not at a phase: leave phase out")
             if phase not in PHASES:
                 raise ScenarioError(f"{key}.phase", f"must be one of {list(PHASES)}, got {phase!r}")
-        elif self.phased and target.kind == "rank":
+        elif self.phased and target.kind == "rank" and at_event is None:
             phase = "forward"
-        return FaultSpec(index, self.name, at_step, target, phase, self._params(raw, key))
+        return FaultSpec(index, self.name, at_step, target, phase, self._params(raw, key), at_event)
 
     def _check_target(self, target: Target, key: str, job: JobShape) -> None:
-        bound = {"rank": job.world_size, "node": job.nodes, "spare": job.nodes * job.spares}.get(target.kind)
+        # elastic: ranks up to the largest world the nodes can make (a grow adds them)
+        ranks = job.all_nodes * job.nproc_per_node if job.elastic else job.world_size
+        bound = {"rank": ranks, "node": job.all_nodes, "spare": job.nodes * job.spares}.get(target.kind)
         if bound is not None and not target.index < bound:
             have = f"{target.kind}s 0..{bound - 1}" if bound else f"no {target.kind}s"
             raise ScenarioError(key, f"{target} does not exist: the job has {have}")

@@ -43,7 +43,7 @@ class TopologyAt(AtStep):
 class Node(FaultKind):
     """The agent and every worker and spare of one node die together (SIGKILL of its whole namespace)."""
 
-    name, targets, min_nodes = "node", ("node",), 2
+    name, targets, min_nodes, event_trigger = "node", ("node",), 2, True
 
     def inject(self, spec: FaultSpec, job: JobShape) -> Injection:
         node = spec.target.index
@@ -53,7 +53,7 @@ class Node(FaultKind):
 class Partition(FaultKind):
     """Cut node N off from every other node (iptables mode drop or reject); with duration_s, heal it after."""
 
-    name, targets, min_nodes = "partition", ("node",), 2
+    name, targets, min_nodes, event_trigger = "partition", ("node",), 2, True
     params = {"duration_s": Param(float, optional=True, check=positive),
               "mode": Param(str, default="drop",
                             check=lambda m: None if m in ("drop", "reject") else "must be 'drop' or 'reject'")}
@@ -71,7 +71,7 @@ class Partition(FaultKind):
 class Loss(FaultKind):
     """Drop each packet to or from node N with probability (iptables -m statistic); with duration_s, heal it after."""
 
-    name, targets, min_nodes = "loss", ("node",), 2
+    name, targets, min_nodes, event_trigger = "loss", ("node",), 2, True
     params = {"probability": Param(float, check=lambda p: None if 0 < p < 1 else f"must be in (0, 1), got {p}"),
               "duration_s": Param(float, optional=True, check=positive)}
 

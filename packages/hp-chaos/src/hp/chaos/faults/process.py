@@ -3,7 +3,9 @@
 On a ``rank:N`` target they are injected in process (:mod:`hp.checkpointless.faults`), exact to
 the step and phase, by the process that first held the rank. On ``spare:N`` and ``controller`` the
 runner sends the signal from outside while step ``at_step`` runs: a spare waits outside the step
-loop, and the controller lives in node 0's agent, neither of which runs training steps.
+loop, and the controller lives in node 0's agent, neither of which runs training steps. ``kill``
+and ``hang`` with ``at_event`` are sent from outside too, on a rank to the process holding it when
+the event is seen (a grow or a re-form has no step known in advance).
 """
 
 from __future__ import annotations
@@ -29,8 +31,8 @@ def _signal(pid: int, sig: signal.Signals) -> None:
 
 
 class SignalAt(AtStep):
-    """Send ``sig`` to a spare or to the controller's process while step ``at_step`` runs;
-    ``resume`` (SIGCONT) undoes a SIGSTOP."""
+    """Send ``sig`` to a spare, to the controller's process or (``at_event``) to the process holding
+    a rank while step ``at_step`` runs or at the event; ``resume`` (SIGCONT) undoes a SIGSTOP."""
 
     def __init__(self, spec: FaultSpec, sig: signal.Signals, resume: bool = False) -> None:
         super().__init__(spec)
@@ -38,6 +40,8 @@ class SignalAt(AtStep):
 
     def _pid(self, job: LiveJob) -> int | None:
         t = self.spec.target
+        if t.kind == "rank":
+            return job.rank_pid(t.index)
         return job.spare_pid(t.index) if t.kind == "spare" else job.controller_pid()
 
     def ready(self, job: LiveJob) -> bool:
@@ -84,10 +88,10 @@ class ResumeHung(Action):
 class Kill(FaultKind):
     """SIGKILL a process: a rank (in process, at a phase), a hot spare, or the controller's process."""
 
-    name, targets, phased = "kill", ("rank", "spare", "controller"), True
+    name, targets, phased, event_trigger = "kill", ("rank", "spare", "controller"), True, True
 
     def inject(self, spec: FaultSpec, job: JobShape) -> Injection:
-        if spec.target.kind == "rank":
+        if spec.target.kind == "rank" and spec.at_event is None:
             return Injection(hp_faults=[_in_process(spec)])
         return Injection(actions=[SignalAt(spec, signal.SIGKILL)])
 
@@ -95,11 +99,11 @@ class Kill(FaultKind):
 class Hang(FaultKind):
     """SIGSTOP a process (a rank at a phase, a spare, the controller's process); with duration_s, SIGCONT it after that many seconds."""
 
-    name, targets, phased = "hang", ("rank", "spare", "controller"), True
+    name, targets, phased, event_trigger = "hang", ("rank", "spare", "controller"), True, True
     params = {"duration_s": Param(float, optional=True, check=positive)}
 
     def inject(self, spec: FaultSpec, job: JobShape) -> Injection:
-        if spec.target.kind == "rank":
+        if spec.target.kind == "rank" and spec.at_event is None:
             resume = [ResumeHung(spec)] if spec.params["duration_s"] else []
             return Injection(hp_faults=[_in_process(spec)], actions=resume)
         return Injection(actions=[SignalAt(spec, signal.SIGSTOP, resume=bool(spec.params["duration_s"]))])

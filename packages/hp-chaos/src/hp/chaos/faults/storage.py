@@ -124,7 +124,7 @@ class OutageAt(AtStep):
 class Storage(FaultKind):
     """The job's S3 endpoint is unreachable for duration_s: mode stop (SIGSTOP the server) or block (iptables REJECT its port)."""
 
-    name, targets = "storage", ("storage",)
+    name, targets, event_trigger = "storage", ("storage",), True
     params = {"duration_s": Param(float, check=positive),
               "mode": Param(str, default="stop", check=lambda m: None if m in MODES else f"must be one of {list(MODES)}")}
 
