@@ -93,3 +93,65 @@ def test_a_job_started_again_resumes_from_the_newest_checkpoint(reference, job_e
     assert {(e["step"], e["tier"]) for e in restored(again)} == {(6, "memory")}
     assert sorted(again.losses()) == list(range(7, STEPS))  # nothing before the checkpoint recomputed
     assert all(again.losses()[s] == reference.losses()[s] for s in range(7, STEPS))
+
+
+def test_a_preempted_job_saves_its_last_committed_step_and_a_restart_resumes_there(job_env, tmp_path):
+    """Graceful preemption's tiered-checkpoint rung: SIGTERM to the agent of an elastic job that cannot go on
+    without its node (it hosts the controller; the policy's minimum is the job's size). Every rank abandons
+    its step, saves the last committed one through hp-tiered-ckpt, exits, and `hp run` exits 143. `hp run`
+    again resumes from that step: no committed step lost, and the two runs' losses and final states are the
+    bits of a run that was never preempted (exact mode)."""
+    import json
+    import time
+
+    from hp.checkpointless.events import read_events
+
+    steps, policy = 30, tmp_path / "policy.yaml"
+    policy.write_text("min_replicas: 2\nmax_replicas: 2\nglobal_batch: 8\nmicro_batch: 2\n")
+
+    def command(logs: Path, namespace: str) -> list[str]:
+        return [sys.executable, "-m", "hp.core.cli", "run", "--nnodes", "1:1", "--nproc-per-node", "2",
+                "--scaling-policy", str(policy), "--grace-period", "60", "--log-dir", str(logs), "--tee", "0",
+                "-m", "hp.elastic.demo.train", "--steps", str(steps), "--exact", "--corpus-mb", "2",
+                "--checkpoint", namespace, "--checkpoint-every", "1000"]
+
+    def run(logs: Path, namespace: str) -> list[dict]:
+        done = subprocess.run(command(logs, namespace), env={**os.environ, **job_env}, capture_output=True, text=True,
+                              timeout=300)
+        assert done.returncode == 0, done.stderr[-3000:]
+        return read_events(str(logs / "events"))
+
+    def losses(events: list[dict]) -> dict[tuple[int, int], str]:
+        return {(e["rank"], e["step"]): e["loss"] for e in events if e["event"] == "commit"}
+
+    def final(events: list[dict]) -> dict[int, dict]:
+        return {e["rank"]: e["digests"] for e in events if e["event"] == "final_state"}
+
+    reference = run(tmp_path / "reference", "preempt-reference")
+    logs = tmp_path / "preempted"
+    job = subprocess.Popen(command(logs, "preempt"), env={**os.environ, **job_env}, stdout=subprocess.DEVNULL,
+                           stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        wait_for(lambda: any(e["event"] == "commit" and e["step"] >= 8 for e in read_events(str(logs / "events"))),
+                 120, "step 8 committed")
+        job.send_signal(signal.SIGTERM)  # to the agent only, as Kubernetes does
+        _, err = job.communicate(timeout=120)
+    finally:
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+            job.wait()
+    assert job.returncode == 143, err[-3000:]
+    first = read_events(str(logs / "events"))
+    saved = {e["rank"]: e["step"] for e in first if e["event"] == "preempt_saved"}
+    last = max(e["step"] for e in first if e["event"] == "commit")
+    assert saved == {0: last, 1: last} and 8 <= last < steps - 1, (saved, last, err[-2000:])
+    decisions = [json.loads(line)["decision"] for line in (logs / "controller_decisions.jsonl").read_text().splitlines()]
+    assert "preempt_job" in decisions
+
+    start = time.monotonic()
+    second = run(tmp_path / "restarted", "preempt")
+    assert time.monotonic() - start < 300
+    assert {(e["rank"], e["step"]) for e in second if e["event"] == "restored"} == {(0, last), (1, last)}
+    assert min(e["step"] for e in second if e["event"] == "commit") == last + 1  # nothing redone, nothing skipped
+    assert {**losses(first), **losses(second)} == losses(reference)  # every rank's every step, bit for bit
+    assert final(second) == final(reference)
