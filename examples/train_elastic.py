@@ -29,7 +29,7 @@ def main(ctx) -> None:
     policy = ScalingPolicy.from_yaml(args.policy)
     cache = TokenCache.open(f"examples-8mb-s{args.seed}", lambda: tokenize(synthetic_corpus(8 << 20, args.seed)))
     data = Windows(cache, args.seq)
-    loader = StepLoader(data, StepSampler(len(data), policy.micro_batch, policy.global_batch // policy.micro_batch, args.seed))
+    loader = StepLoader(data, StepSampler(len(data), geometry=policy, seed=args.seed))
     torch.manual_seed(args.seed)
     model = build_model("tiny", vocab=256, seq=args.seq, dropout=0.1)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)

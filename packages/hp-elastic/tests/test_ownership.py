@@ -6,7 +6,7 @@ import pytest
 
 from hp.core.errors import UsageError
 
-from hp.elastic.ownership import micro_batch_samples, micro_batch_seed, owned, owner
+from hp.elastic.ownership import micro_batch_seed, owned, owner
 
 
 @pytest.mark.parametrize("m_total", [1, 2, 3, 5, 7, 8, 12, 13, 24, 100])
@@ -36,8 +36,3 @@ def test_micro_batch_identity_is_independent_of_world():
     seeds = {micro_batch_seed(7, s, m) for s in range(4) for m in range(12)}
     assert len(seeds) == 48 and all(0 <= x < 2**63 for x in seeds)
     assert micro_batch_seed(7, 3, 5) == micro_batch_seed(7, 3, 5) != micro_batch_seed(8, 3, 5)
-    assert micro_batch_samples(2, 3, 4, 48) == range(108, 112)
-    covered = [i for m in range(12) for i in micro_batch_samples(1, m, 4, 48)]
-    assert covered == list(range(48, 96))
-    with pytest.raises(ValueError):
-        micro_batch_samples(0, 12, 4, 48)

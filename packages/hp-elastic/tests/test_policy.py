@@ -34,6 +34,12 @@ def policy(**kw) -> ScalingPolicy:
     (dict(overrides={9: {"lr": 0.1}}), "overrides key 9 is not an allowed world size"),
     (dict(overrides={4: {"lr": 0.1, "beta": 1}}), "overrides[4] has unknown keys beta"),
     (dict(base_world=0), "base_world must be positive"),
+    (dict(replica_batch=8), "exactly one of global_batch (constant global batch) and replica_batch"),
+    (dict(global_batch=None), "exactly one of global_batch (constant global batch) and replica_batch"),
+    (dict(global_batch=None, replica_batch=6), "replica_batch 6 is not a multiple of micro_batch 4"),
+    (dict(global_batch=None, replica_batch=0), "replica_batch must be positive"),
+    (dict(global_batch=None, replica_batch=8, overrides={4: {"micro_batch": 3}}),
+     "replica_batch 8 is not a multiple of overrides[4].micro_batch 3"),
 ])
 def test_bad_policy_is_one_line_usage_error(kw, needle):
     with pytest.raises(UsageError) as e:
@@ -50,6 +56,26 @@ def test_sizes_and_batch():
     p = policy(overrides={4: WorldOverride(micro_batch=2), 8: {"micro_batch": 6}})
     assert [p.micro_batch_for(w) for w in (2, 4, 8)] == [4, 2, 6]
     assert [p.micro_batches_for(w) for w in (2, 4, 8)] == [12, 24, 8]
+
+
+def test_a_per_replica_batch_grows_the_global_batch_with_the_world_size():
+    p = policy(global_batch=None, replica_batch=8, overrides={4: {"micro_batch": 2}})
+    assert p.batch_key == "replica_batch" and p.batch == 8 and policy().batch_key == "global_batch"
+    assert [p.micro_batches_for(w) for w in (2, 3, 4)] == [4, 6, 16]  # 2 per replica, 4 at the override
+    assert [p.global_batch_for(w) for w in (2, 3, 4)] == [16, 24, 32]
+    assert [policy().global_batch_for(w) for w in (2, 3, 8)] == [48, 48, 48]
+
+
+def test_a_policy_is_the_step_sampler_s_geometry():
+    from hp.checkpointless.sampler import StepSampler
+
+    per_replica = StepSampler(100, geometry=policy(global_batch=None, replica_batch=8), seed=1)
+    assert per_replica.global_batch is None and per_replica.samples_at(3) == 24 and per_replica.micro_batches_at(3) == 6
+    constant = StepSampler(100, geometry=policy(overrides={4: {"micro_batch": 2}}), seed=1)
+    assert constant.global_batch == 48 and constant.micro_batches_at(4) == 24 and constant.micro_batches_at(3) == 12
+    # the same samples at every world size, cut into other micro-batches at the override
+    at = lambda w: [i for m in range(constant.micro_batches_at(w)) for i in constant.indices(5, m, w)]  # noqa: E731
+    assert at(4) == at(3) == at(8)
 
 
 @pytest.mark.parametrize("kw, world, lr", [
@@ -104,6 +130,7 @@ overrides:
     ("min_replicas: 2\nmax_replicas: 4\nglobal_batch: 9\nmicro_batch: 2\n", "not a multiple of micro_batch 2"),
     ("min_replicas: 2\nmax_replicas: 6\nunit: 4\nglobal_batch: 8\nmicro_batch: 2\n", "unit 4 does not divide"),
     ("min_replicas: 2\nglobal_batch: 8\n", "missing keys max_replicas, micro_batch"),
+    ("min_replicas: 2\nmax_replicas: 4\nmicro_batch: 2\n", "missing keys global_batch (or replica_batch)"),
     ("- 1\n- 2\n", "expected a mapping"),
     ("min_replicas: [1\n", "invalid YAML"),
 ])

@@ -20,6 +20,7 @@ _EXPORTS = {
     "ShardLost": "hp.checkpointless.sharded", "RankState": "hp.checkpointless.recovery",
     "RecoveryMachine": "hp.checkpointless.recovery", "StepSampler": "hp.checkpointless.sampler",
     "StepLoader": "hp.checkpointless.sampler", "TrainingState": "hp.checkpointless.registry",
+    "BatchGeometry": "hp.checkpointless.sampler", "ConstantBatch": "hp.checkpointless.sampler",
 }
 
 __all__ = sorted(_EXPORTS)

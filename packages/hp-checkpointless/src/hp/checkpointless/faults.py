@@ -7,7 +7,8 @@ itself), ``hang`` (SIGSTOP itself: only the agent's heartbeat watch notices), ``
 sleep ``delay_s`` at the phase of each of ``steps`` steps from ``at_step`` on; nothing fails).
 Phases: ``forward``, ``backward``, ``allreduce``, ``commit``, ``optimizer``, ``hydration``. A fault
 fires once (``slow``: once per step of its window, recorded once), and only in the process that
-first held the rank: never in a spare or a restarted process, so a replayed step runs clean.
+first held the rank: never in a spare or a restarted process, so a replayed step runs clean, nor in
+a process that an elastic shrink renumbered to that rank (``rank`` names the process started as it).
 """
 
 from __future__ import annotations

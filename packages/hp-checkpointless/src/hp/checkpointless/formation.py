@@ -169,14 +169,18 @@ class Formation:
             sh.rebind(self.rank, plan.world_size)
         # every rank's committed step (row 0); with a sharded optimizer its shard versions (rows 1-3)
         # and the rank and world size of its shard's partitioning (rows 4-5); its node (row 6: the new
-        # partitioning's replication ring puts a rank's buddy on another node) and whether its shard's
-        # partitioning replicates along a ring other than the identity (row 7)
-        info = self._agree = torch.zeros(8, plan.world_size, dtype=torch.int64)
+        # partitioning's replication ring puts a rank's buddy on another node), whether its shard's
+        # partitioning replicates along a ring other than the identity (row 7), the samples consumed
+        # through its committed step (row 8: with a per-replica batch, a function of the world-size
+        # history) and the world size its state is for (row 9: the LR of a policy that scales it)
+        info = self._agree = torch.zeros(10, plan.world_size, dtype=torch.int64)
         info[:, self.rank] = torch.tensor([st.committed, sh.version if sh else -1,
                                            sh.replica_version if sh else -1, tx.grads_step, *before,
-                                           self.node_rank, int(held_ring != sharded.identity(len(held_ring)))])
+                                           self.node_rank, int(held_ring != sharded.identity(len(held_ring))),
+                                           st.samples, st.world])
         self._link.collective(dist.all_reduce, info)
         newest = int(info[0].max())
+        source = int((info[0] == newest).nonzero()[0])
         worlds = {w for w in info[5].tolist() if w >= 0}
         if len(worlds) > 1:  # a reshard's last step ran on some ranks only: they no longer hold the old shards
             raise sharded.ShardLost(f"ranks hold optimizer shards of different partitionings (world sizes "
@@ -189,9 +193,11 @@ class Formation:
                 held.copy_(torch.tensor(held_ring))
             self._link.collective(dist.all_reduce, held)
             ring = tuple(held.tolist())
+        # behind: older than the newest step, or at it with state for another world size (a rank whose
+        # last formation succeeded where a peer's failed applied on_scale alone): both take the source's
         agreement = hydration.Agreement(
-            plan.generation, newest, source=int((info[0] == newest).nonzero()[0]),
-            behind=[r for r in range(plan.world_size) if info[0, r] < newest],
+            plan.generation, newest, source=source,
+            behind=[r for r in range(plan.world_size) if info[0, r] < newest or info[9, r] != info[9, source]],
             versions=sharded.Versions(*info[:4].tolist()), previous_world=previous_world,
             previous_ranks=tuple(info[4].tolist()), ring=ring)
         if sh is not None:  # the same partitioning keeps its ring; a new one gets a ring across nodes
@@ -199,6 +205,7 @@ class Formation:
             sh.set_ring(ring if same else sharded.node_ring(info[6].tolist()))
         if agreement.behind:
             self._fire(newest, "hydration")
+        st.samples, st.world = int(info[8, source]), int(info[9, source])  # what the hydrated state is at
         if newest < 0 and self.restore(st, "job start"):
             pass  # a job started again: the newest checkpoint, if there is one
         elif sh is None:

@@ -52,6 +52,8 @@ def _parts(st: TrainingState, rank: int) -> dict[str, dict]:
     else:
         replicated = {**st.replicated_part(), "model": dict(st.model.state_dict())}
         own = {"rng": replicated.pop("rng"), "shard": st.sharded.shard(), "world": st.sharded.world_size}
+    own["samples"] = st.samples  # where the next step's samples start (StepSampler)
+    own["state_world"] = st.world  # the world size the state is for: a restart at another one calls on_scale
     return {"hp.state": replicated, f"hp.rank{rank}": own}
 
 
@@ -100,6 +102,8 @@ def restore(st: TrainingState, rank: int) -> tuple[int, str] | None:
         buffer = state.StateBuffer(skeleton, bufs[f"{k}.data"])
         parts[k] = state.unflatten(skeleton, buffer.unpack())  # views: the loaded buffer is never reused
     own = parts[f"hp.rank{rank}"]
+    if not all(isinstance(own.get(k), int) and own[k] >= 0 for k in ("samples", "state_world")):
+        raise state.StateTransferError(f"the checkpoint of step {step} lacks the job's sample position or world size")
     replicated = {**parts["hp.state"], "rng": own["rng"]}
     if st.sharded is None:
         st.restore(replicated)
@@ -110,4 +114,5 @@ def restore(st: TrainingState, rank: int) -> tuple[int, str] | None:
         st.model.load_state_dict(replicated["model"])
         st.load_replicated_part(replicated)
         st.sharded.load_shard(own["shard"])
+    st.samples, st.world = own["samples"], own["state_world"]
     return step, tier

@@ -45,6 +45,12 @@ class TrainingState:
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.sharded: sharded.ShardedOptimizer | None = None
         self.committed = -1  # last committed step
+        # samples the job consumed through the committed step: where the next step's samples start
+        # (StepSampler). Only committed steps count, so a failed step's replay reads the same samples.
+        self.samples = 0
+        # the world size the state is for (what ``on_scale`` last adapted it to: an LR that follows W);
+        # 0 before any group. A hydrated rank takes its source's: the state it received is for that size.
+        self.world = 0
         self.receive_buffer: state.StateBuffer | None = None  # a spare's pre-faulted hydration buffer
         self.buffers = [b for _, b in model.named_buffers()]  # every buffer, in module order (read by the transaction)
         self._snapshot = state.StateBuffer(state.flatten(self.buffers)[0]) if self.buffers else None

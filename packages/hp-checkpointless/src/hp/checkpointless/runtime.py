@@ -96,6 +96,7 @@ class Context:
         self.events = EventLog(os.path.join(log_dir, "events") if log_dir else None,
                                f"rank{rank}" if spare_id is None else f"spare-{spare_id}")
         self._faults = FaultPlan.from_env(env)
+        self._start_rank = rank  # whom HP_FAULTS names: a scale event may renumber this process later
         self._machine = RecoveryMachine()
         self._link = GroupLink(self._transport, self._store, self._machine, pg_timeout, self.events, self._detach)
         self._formation = Formation(
@@ -107,6 +108,7 @@ class Context:
         self._step: Step | None = None
         self._step_done = False
         self._owned: list[int] = []  # the micro-batches this rank computes in the current step
+        self._step_samples = 0  # samples the current step consumes (all ranks), when split in micro-batches
         self._reform_due = False  # the last vote said: re-form (a planned generation) before the next step
         self._on_scale: Callable[[int, int], None] | None = None
         self._size_published = False
@@ -136,6 +138,12 @@ class Context:
     @property
     def committed(self) -> int:
         return self._training.committed if self._training is not None else -1
+
+    @property
+    def samples(self) -> int:
+        """Samples the job consumed through the committed step (steps split by ``step.micro_batches``),
+        over every world size it ran at: where the next step's samples start."""
+        return self._training.samples if self._training is not None else 0
 
     @property
     def device(self) -> torch.device:
@@ -169,8 +177,10 @@ class Context:
         ``unscale_``/``step``/``update`` yourself). ``broadcast_buffers`` (as DDP's): rank 0's buffers
         (BatchNorm running statistics) go to every rank at each step, so replicas stay identical.
         ``reduction``: how gradients are averaged (:mod:`hp.checkpointless.reduction`; exact mode is
-        ``hp.elastic.ExactReduction()``). ``on_scale(old_world, new_world)``: called after the job re-formed
-        at another world size, before the next step (to change user state that depends on it)."""
+        ``hp.elastic.ExactReduction()``). ``on_scale(old_world, new_world)``: called after a formation
+        whose world size differs from the one the state is for, before the next step, on every rank
+        alike (a survivor, a joiner that hydrated from one, a job restored from a checkpoint taken at
+        another size), to change user state that depends on W (``hp.elastic.on_scale_lr``)."""
         st = self._training = TrainingState(model, optimizer, scheduler, extra, checkpoint, scaler, broadcast_buffers)
         self._tx = StepTransaction(st, self._link.collective, reduction)
         self._on_scale = on_scale
@@ -187,6 +197,7 @@ class Context:
         if st is None:
             raise UsageError("call ctx.register(model, optimizer, ...) before ctx.steps()")
         self._formation.join(st, self._tx, self._start_generation, disarm=self._faults.disarm)
+        self._formed()
         try:
             while st.committed + 1 < total:
                 if self._reform_due:
@@ -195,6 +206,7 @@ class Context:
                 self._step_done = False
                 self._machine.to(RankState.COMPUTING)
                 self._tx.begin()
+                self._step_samples = 0
                 try:
                     self._phase(step, "forward")
                 except Exception as exc:  # an injected fault: the step failed before the user's code ran
@@ -211,10 +223,11 @@ class Context:
     def _micro_batches(self, step: Step, loader: StepLoader) -> Iterator[Any]:
         if self._step is not step or self._machine.state is not RankState.COMPUTING:
             raise UsageError("step.micro_batches(loader) is called inside `with step:`, before ctx.commit")
-        sampler = loader.sampler
-        self._tx.split(sampler.micro_batches)
-        self._owned = sampler.owned(int(step), self.rank, self.world_size)
-        for m, batch in zip(self._owned, loader.step(int(step), self.rank, self.world_size)):
+        sampler, world = loader.sampler, self.world_size
+        self._tx.split(sampler.micro_batches_at(world))
+        self._step_samples = sampler.samples_at(world)
+        self._owned = sampler.owned(int(step), self.rank, world)
+        for m, batch in zip(self._owned, loader.step(int(step), self.rank, world, self._training.samples)):
             torch.manual_seed(micro_batch_seed(sampler.seed, int(step), m))
             yield batch
             self._tx.micro_batch_done(m)
@@ -248,11 +261,12 @@ class Context:
         self._phase(step, "optimizer")
         self._tx.apply(step, skip)
         st.mark_committed(step)
+        st.samples += self._step_samples  # a skipped step (inf gradients) consumed its samples too
         self._step_done, self.last_loss = True, mean
         if skip:
             self.events.record(Event.STEP_SKIPPED, step=step, rank=self.rank, scale=st.scaler.get_scale())
         self.events.record(Event.COMMIT, step=step, rank=self.rank, generation=self.generation, loss=mean.hex(),
-                           world=self.world_size)
+                           world=self.world_size, samples=st.samples)
         if not self._size_published:  # after the first commit, when lazily created optimizer state exists
             self._size_published = True
             self._formation.publish_state_size(st)
@@ -280,11 +294,10 @@ class Context:
         st = self._training
         self.events.record(Event.RESCALING, rank=self.rank, step=st.committed, generation=self.generation)
         self._reform_due = False
-        old_world = self._link.world_size
         self._link.release()
         self._machine.to(RankState.FORMING)
         self._formation.reform(st, self._tx, self.generation + 1)
-        self._formed(old_world)
+        self._formed()
 
     def _share_shards(self) -> CollectiveError | None:
         """Sharded optimizer, after the local update: owners broadcast their partitions, then every
@@ -300,7 +313,7 @@ class Context:
     # ---- failures -----------------------------------------------------------------------------
     def _phase(self, step: int, phase: str) -> None:
         rank = self._formation.rank
-        self._faults.fire(int(step), phase, rank, lambda f: self.events.record(
+        self._faults.fire(int(step), phase, self._start_rank, lambda f: self.events.record(
             Event.FAULT_INJECTED, kind=f.kind, phase=phase, step=int(step), rank=rank))
 
     def _end_step(self, step: Step, exc: BaseException | None) -> bool:
@@ -320,16 +333,18 @@ class Context:
         self._training.rollback()
         if failure.report is not None:
             self._formation.report(failure.report, f"{type(exc).__name__}: {exc}")
-        old_world = self._link.world_size
         self._formation.reform(self._training, self._tx, failed_generation + 1,
                                on_slow=lambda: self._formation.report("collective", str(exc)))
-        self._formed(old_world)
+        self._formed()
 
-    def _formed(self, old_world: int) -> None:
-        """After every formation: a new world size is the user's to react to (``on_scale``)."""
-        new_world = self._link.world_size
-        if old_world and new_world != old_world and self._on_scale is not None:
-            self._on_scale(old_world, new_world)
+    def _formed(self) -> None:
+        """After every formation: state for another world size than the group's is the user's to adapt
+        (``on_scale``), on every rank alike: a survivor's, a joiner's hydrated from a survivor, a job's
+        restored from a checkpoint taken at another size."""
+        st, new_world = self._training, self._link.world_size
+        if st.world and st.world != new_world and self._on_scale is not None:
+            self._on_scale(st.world, new_world)
+        st.world = new_world
 
     def _detach(self) -> None:
         """Whatever holds the failed group besides the transport lets go of it first: a sharded

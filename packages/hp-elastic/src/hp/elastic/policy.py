@@ -7,14 +7,22 @@ A :class:`ScalingPolicy` is a frozen config dataclass, built in Python or loaded
 Sizes. A job runs at one of :meth:`ScalingPolicy.sizes_allowed`: either the explicit ``sizes`` list
 or every multiple of ``unit`` from ``min_replicas`` to ``max_replicas``.
 
-Batch. A step is ``global_batch`` samples in ``global_batch // micro_batch`` micro-batches of
-``micro_batch`` samples whatever the world size; an override may change the micro-batch size at one
-world size (the global batch never changes, so the number of micro-batches does).
+Batch. Exactly one of two rules:
 
-Learning rate. ``lr_rule`` is ``constant`` (the default: the global batch is constant, so is the LR),
-``linear`` or ``sqrt`` (``lr * W / base_world`` or ``lr * sqrt(W / base_world)``, for users who tie
-the LR to the number of replicas) or ``table`` (``lr_table[W]``, absolute). A per-world-size override
-``lr`` wins over the rule.
+* ``global_batch`` (constant global batch, the default way): a step is ``global_batch`` samples in
+  ``global_batch // micro_batch`` micro-batches of ``micro_batch`` samples whatever the world size; an
+  override may change the micro-batch size at one world size (the global batch never changes, so the
+  number of micro-batches does).
+* ``replica_batch`` (per-replica batch, the global batch follows the world size): each replica computes
+  ``replica_batch // micro_batch`` micro-batches a step, so a step at W replicas is ``W * replica_batch``
+  samples. Where a step starts in the sample stream then depends on the world sizes of every step before
+  it: the runtime keeps that position as committed state (``ctx.samples``), hydrates it to joiners and
+  saves it in checkpoints, so nothing is skipped or repeated across scale events.
+
+Learning rate. ``lr_rule`` is ``constant`` (the default: the right rule with a constant global batch),
+``linear`` or ``sqrt`` (``lr * W / base_world`` or ``lr * sqrt(W / base_world)``: with a per-replica
+batch, the global batch and so the LR follow W) or ``table`` (``lr_table[W]``, absolute). A
+per-world-size override ``lr`` wins over the rule.
 """
 
 from __future__ import annotations
@@ -43,8 +51,9 @@ class ScalingPolicy:
 
     min_replicas: int
     max_replicas: int
-    global_batch: int
     micro_batch: int
+    global_batch: int | None = None  # samples per step at every world size (constant global batch)
+    replica_batch: int | None = None  # samples per replica per step (the global batch follows W)
     unit: int = 1
     sizes: tuple[int, ...] | None = None  # discrete world sizes; None: multiples of unit in [min, max]
     lr: float | None = None  # the base LR that lr_rule scales (not needed with lr_rule "table")
@@ -54,7 +63,10 @@ class ScalingPolicy:
     overrides: Mapping[int, WorldOverride] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        for name in ("min_replicas", "max_replicas", "global_batch", "micro_batch", "unit"):
+        if (self.global_batch is None) == (self.replica_batch is None):
+            raise UsageError("scaling policy: give exactly one of global_batch (constant global batch) and "
+                             "replica_batch (per-replica batch)")
+        for name in ("min_replicas", "max_replicas", self.batch_key, "micro_batch", "unit"):
             _positive_int(name, getattr(self, name))
         if self.base_world is not None:
             _positive_int("base_world", self.base_world)
@@ -65,7 +77,7 @@ class ScalingPolicy:
         for name in ("min_replicas", "max_replicas"):
             if self.sizes is None and getattr(self, name) % self.unit:
                 raise UsageError(f"scaling policy: unit {self.unit} does not divide {name} {getattr(self, name)}")
-        _divides("micro_batch", self.micro_batch, self.global_batch)
+        _divides(self.batch_key, "micro_batch", self.micro_batch, self.batch)
         if self.lr_rule not in LR_RULES:
             raise UsageError(f"scaling policy: unknown lr_rule {self.lr_rule!r} (known: {', '.join(LR_RULES)})")
         if self.lr is not None:
@@ -82,7 +94,7 @@ class ScalingPolicy:
             o = o if isinstance(o, WorldOverride) else _override(w, o)
             if o.micro_batch is not None:
                 _positive_int(f"overrides[{w}].micro_batch", o.micro_batch)
-                _divides(f"overrides[{w}].micro_batch", o.micro_batch, self.global_batch)
+                _divides(self.batch_key, f"overrides[{w}].micro_batch", o.micro_batch, self.batch)
             if o.lr is not None:
                 _positive_float(f"overrides[{w}].lr", o.lr)
             overrides[w] = o
@@ -108,9 +120,25 @@ class ScalingPolicy:
         o = self.overrides.get(world)
         return o.micro_batch if o is not None and o.micro_batch is not None else self.micro_batch
 
+    @property
+    def batch_key(self) -> str:
+        """Which batch rule the policy has: ``global_batch`` or ``replica_batch``."""
+        return "global_batch" if self.global_batch is not None else "replica_batch"
+
+    @property
+    def batch(self) -> int:
+        """The policy's batch: the global one, or the per-replica one (:attr:`batch_key` says which)."""
+        return self.global_batch if self.global_batch is not None else self.replica_batch
+
     def micro_batches_for(self, world: int) -> int:
-        """M: micro-batches per step at ``world`` (the global batch is constant)."""
-        return self.global_batch // self.micro_batch_for(world)
+        """M: micro-batches per step at ``world`` (all ranks together)."""
+        if self.global_batch is not None:
+            return self.global_batch // self.micro_batch_for(world)
+        return world * (self.replica_batch // self.micro_batch_for(world))
+
+    def global_batch_for(self, world: int) -> int:
+        """Samples per step at ``world``."""
+        return self.micro_batches_for(world) * self.micro_batch_for(world)
 
     # -- learning rate --------------------------------------------------------------------------
 
@@ -145,7 +173,9 @@ class ScalingPolicy:
         unknown = sorted(str(k) for k in raw if k not in known)
         if unknown:
             raise UsageError(f"{source}: unknown keys {', '.join(unknown)} (known: {', '.join(known)})")
-        missing = [k for k in ("min_replicas", "max_replicas", "global_batch", "micro_batch") if k not in raw]
+        missing = [k for k in ("min_replicas", "max_replicas", "micro_batch") if k not in raw]
+        if "global_batch" not in raw and "replica_batch" not in raw:
+            missing.append("global_batch (or replica_batch)")
         if missing:
             raise UsageError(f"{source}: missing keys {', '.join(missing)}")
         kw = dict(raw)
@@ -199,9 +229,9 @@ def _positive_float(name: str, v: Any) -> float:
     return float(v)
 
 
-def _divides(name: str, micro: int, global_batch: int) -> None:
-    if global_batch % micro:
-        raise UsageError(f"scaling policy: global_batch {global_batch} is not a multiple of {name} {micro}")
+def _divides(batch_key: str, name: str, micro: int, batch: int) -> None:
+    if batch % micro:
+        raise UsageError(f"scaling policy: {batch_key} {batch} is not a multiple of {name} {micro}")
 
 
 def _sizes(sizes: Any, p: ScalingPolicy) -> tuple[int, ...]:

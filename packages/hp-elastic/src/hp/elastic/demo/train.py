@@ -48,14 +48,14 @@ def main(ctx) -> None:
     policy = ScalingPolicy.from_yaml(args.policy)
     key = f"hp-demo-{args.corpus_mb}mb-v{args.vocab}-s{args.seed}"
     cache = TokenCache.open(key, lambda: tokenize(synthetic_corpus(args.corpus_mb << 20, args.seed), args.vocab))
-    sampler = StepSampler(len(Windows(cache, args.seq)), policy.micro_batch,
-                          policy.global_batch // policy.micro_batch,
-                          seed=args.seed)
+    sampler = StepSampler(len(Windows(cache, args.seq)), geometry=policy, seed=args.seed)
     loader = StepLoader(Windows(cache, args.seq), sampler)
 
     torch.manual_seed(args.seed)
     model = build_model(args.model_size, args.vocab, args.seq, args.dropout)
-    lr = policy.lr_for(policy.min_replicas) if policy.lr is not None or policy.lr_table else 3e-3
+    # the LR of the world size the job starts at (a joiner's is replaced by its peers' when it hydrates)
+    start_world = ctx.world_size if policy.allows(ctx.world_size) else policy.min_replicas
+    lr = policy.lr_for(start_world) if policy.lr is not None or policy.lr_table else 3e-3
     if args.zero:  # built by hp once the process group exists (a joiner has none before it gets a rank)
         optimizer = lambda params: ZeroRedundancyOptimizer(params, torch.optim.AdamW, lr=lr)  # noqa: E731
     else:
