@@ -6,9 +6,11 @@ itself), ``hang`` (SIGSTOP itself: only the agent's heartbeat watch notices), ``
 :class:`InjectedFault`, the CPU stand-in for a recoverable device error), ``slow`` (a straggler:
 sleep ``delay_s`` at the phase of each of ``steps`` steps from ``at_step`` on; nothing fails).
 Phases: ``forward``, ``backward``, ``allreduce``, ``commit``, ``optimizer``, ``hydration``. A fault
-fires once (``slow``: once per step of its window, recorded once), and only in the process that
-first held the rank: never in a spare or a restarted process, so a replayed step runs clean, nor in
-a process that an elastic shrink renumbered to that rank (``rank`` names the process started as it).
+targets a rank, whoever holds it at that step (the process started as it, a spare promoted to it, a
+restarted process, a process an elastic shrink renumbered to it), and fires once in the job: the
+process about to inject it first claims it in the job's store (:data:`hp.core.protocol.FAULT_CLAIM_KEY`),
+so the replay of the failed step, by whichever process, runs clean. ``slow`` fires once per step of
+its window (recorded once).
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ import signal
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+
+from hp.core.protocol import FAULT_CLAIM_KEY
 
 PHASES = ("forward", "backward", "allreduce", "commit", "optimizer", "hydration")
 KINDS = ("kill", "hang", "exception", "slow")
@@ -55,38 +59,35 @@ class Fault:
 
 
 class FaultPlan:
-    def __init__(self, faults: list[Fault], armed: bool) -> None:
-        self.faults = faults
-        self.armed = armed  # only the process that first held its rank injects
-        self._fired: set[tuple[Fault, int]] = set()
+    """The faults planned for this job; ``claim(key)`` is True for the one caller that claims ``key`` first
+    (the runtime's: an atomic add on the job's store)."""
+
+    def __init__(self, faults: list[Fault], claim: Callable[[str], bool]) -> None:
+        self.faults, self._claim = faults, claim
+        self._seen: set[tuple[int, int]] = set()  # (fault index, step) this process already tried
 
     @classmethod
-    def from_env(cls, env=os.environ) -> FaultPlan:
+    def from_env(cls, claim: Callable[[str], bool], env=os.environ) -> FaultPlan:
         raw = env.get("HP_FAULTS", "").strip()
-        faults = [Fault.parse(f) for f in json.loads(raw)] if raw else []
-        original = env.get("HP_ROLE", "worker") == "worker" and env.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
-        return cls(faults, armed=original)
-
-    def disarm(self) -> None:
-        """A promoted spare never injects: its rank's faults belonged to the process it replaces."""
-        self.armed = False
+        return cls([Fault.parse(f) for f in json.loads(raw)] if raw else [], claim)
 
     def fire(self, step: int, phase: str, rank: int, record: Callable[[Fault], None]) -> None:
-        """Inject the fault planned for (step, phase, rank), if any; ``record`` is called first."""
-        if not self.armed:
-            return
-        for fault in self.faults:
-            if (fault.phase, fault.rank) == (phase, rank) and fault.covers(step) and (fault, step) not in self._fired:
-                self._fired.add((fault, step))
-                if fault.kind == "slow":
-                    if step == fault.at_step:
-                        record(fault)
-                    time.sleep(fault.delay_s)  # a straggler: the peers wait for it in the next collective
-                    continue
-                record(fault)
-                if fault.kind == "kill":
-                    os.kill(os.getpid(), signal.SIGKILL)
-                elif fault.kind == "hang":
-                    os.kill(os.getpid(), signal.SIGSTOP)
-                else:
-                    raise InjectedFault(f"injected exception at step {step} ({phase}) on rank {rank}")
+        """Inject the fault planned for (step, phase, rank), if no process did yet; ``record`` is called first."""
+        for i, fault in enumerate(self.faults):
+            if (fault.phase, fault.rank) != (phase, rank) or not fault.covers(step) or (i, step) in self._seen:
+                continue
+            self._seen.add((i, step))
+            if not self._claim(FAULT_CLAIM_KEY.format(index=i, step=step)):
+                continue  # fired already, in the process that held the rank before (this is a replay)
+            if fault.kind == "slow":
+                if step == fault.at_step:
+                    record(fault)
+                time.sleep(fault.delay_s)  # a straggler: the peers wait for it in the next collective
+                continue
+            record(fault)
+            if fault.kind == "kill":
+                os.kill(os.getpid(), signal.SIGKILL)
+            elif fault.kind == "hang":
+                os.kill(os.getpid(), signal.SIGSTOP)
+            else:
+                raise InjectedFault(f"injected exception at step {step} ({phase}) on rank {rank}")

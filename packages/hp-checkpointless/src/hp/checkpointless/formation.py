@@ -40,8 +40,8 @@ class Formation:
         self._agree: torch.Tensor | None = None  # kept referenced: see group.py
         self._agree_ring: torch.Tensor | None = None  # the held ring, agreed (kept referenced too)
 
-    def join(self, st: TrainingState, tx: StepTransaction, start_generation: int, disarm: Callable[[], None]) -> None:
-        """First formation; a hot spare waits here for a rank (``disarm``: a spare never injects faults)."""
+    def join(self, st: TrainingState, tx: StepTransaction, start_generation: int) -> None:
+        """First formation; a hot spare waits here for a rank."""
         if self.spare_id is None:
             self.reform(st, tx, start_generation)
             return
@@ -55,7 +55,6 @@ class Formation:
         self.rank, generation = membership.wait_for_assignment(
             self._store, self.spare_id, on_idle=lambda store: self._prepare_receive_buffer(st, store))
         self._events.record(Event.ASSIGNED, spare=self.spare_id, rank=self.rank, generation=generation)
-        disarm()
         self.reform(st, tx, generation)
 
     def _prepare_receive_buffer(self, st: TrainingState, store: dist.Store) -> None:

@@ -95,8 +95,7 @@ class Context:
         log_dir = env.get("HP_LOG_DIR")
         self.events = EventLog(os.path.join(log_dir, "events") if log_dir else None,
                                f"rank{rank}" if spare_id is None else f"spare-{spare_id}")
-        self._faults = FaultPlan.from_env(env)
-        self._start_rank = rank  # whom HP_FAULTS names: a scale event may renumber this process later
+        self._faults = FaultPlan.from_env(lambda key: self._store.add(key, 1) == 1, env)
         self._machine = RecoveryMachine()
         self._link = GroupLink(self._transport, self._store, self._machine, pg_timeout, self.events, self._detach)
         self._formation = Formation(
@@ -196,7 +195,7 @@ class Context:
         st = self._training
         if st is None:
             raise UsageError("call ctx.register(model, optimizer, ...) before ctx.steps()")
-        self._formation.join(st, self._tx, self._start_generation, disarm=self._faults.disarm)
+        self._formation.join(st, self._tx, self._start_generation)
         self._formed()
         try:
             while st.committed + 1 < total:
@@ -313,7 +312,7 @@ class Context:
     # ---- failures -----------------------------------------------------------------------------
     def _phase(self, step: int, phase: str) -> None:
         rank = self._formation.rank
-        self._faults.fire(int(step), phase, self._start_rank, lambda f: self.events.record(
+        self._faults.fire(int(step), phase, rank, lambda f: self.events.record(
             Event.FAULT_INJECTED, kind=f.kind, phase=phase, step=int(step), rank=rank))
 
     def _end_step(self, step: Step, exc: BaseException | None) -> bool:

@@ -43,6 +43,7 @@ STATE_NBYTES_KEY = "hp/state_nbytes"  # size of a full hydration, published by r
 # the last step, set by the ranks that finished the training loop: a process still waiting to join a
 # generation (a grow decided during the last steps) will find nobody to form it with, and leaves
 FINISHED_KEY = "hp/finished"
+FAULT_CLAIM_KEY = "hp/fault/{index}/{step}"  # an injected fault (HP_FAULTS entry, step) is claimed by one process
 
 
 def plan_key(generation: int) -> str:

@@ -1,7 +1,8 @@
 """Process faults: ``kill``, ``hang``, ``exception``, ``slow``.
 
 On a ``rank:N`` target they are injected in process (:mod:`hp.checkpointless.faults`), exact to
-the step and phase, by the process that first held the rank. On ``spare:N`` and ``controller`` the
+the step and phase, by whichever process holds the rank at that step (each fault fires once in
+the job, so the replay of the failed step runs clean). On ``spare:N`` and ``controller`` the
 runner sends the signal from outside while step ``at_step`` runs: a spare waits outside the step
 loop, and the controller lives in node 0's agent, neither of which runs training steps. ``kill``
 and ``hang`` with ``at_event`` are sent from outside too, on a rank to the process holding it when
