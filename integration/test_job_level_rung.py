@@ -144,7 +144,9 @@ def test_a_preempted_job_saves_its_last_committed_step_and_a_restart_resumes_the
     first = read_events(str(logs / "events"))
     saved = {e["rank"]: e["step"] for e in first if e["event"] == "preempt_saved"}
     last = max(e["step"] for e in first if e["event"] == "commit")
-    assert saved == {0: last, 1: last} and 8 <= last < steps - 1, (saved, last, err[-2000:])
+    why = [e for e in first if e["event"] in ("checkpoint_failed", "reform_failed", "failure_detected", "left")]
+    decisions = (logs / "controller_decisions.jsonl").read_text().splitlines()[-6:]
+    assert saved == {0: last, 1: last} and 8 <= last < steps - 1, (saved, last, why, decisions, err[-1500:])
     decisions = [json.loads(line)["decision"] for line in (logs / "controller_decisions.jsonl").read_text().splitlines()]
     assert "preempt_job" in decisions
 

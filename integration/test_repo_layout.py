@@ -1,4 +1,5 @@
-"""Repository layout: top level, Pants BUILD files vs. disk, dependency rule, wheels, import isolation."""
+"""Repository layout: top level, Pants BUILD files vs. disk, dependency rule, declared dependencies vs. real
+imports, wheels, import isolation, each distribution installed alone."""
 
 from __future__ import annotations
 
@@ -25,8 +26,10 @@ ROOT = Path(__file__).resolve().parents[1]
 DISTS = ("hp-core", "hp-elastic", "hp-checkpointless", "hp-tiered-ckpt", "hp-chaos")
 CORE = "hp-core"
 # DESIGN.md's allowed directions beyond "everything -> hp-core": a scale event is a re-form and hydration
-# of the checkpointless runtime, so hp-elastic builds on hp-checkpointless
-ALSO_ALLOWED = {"hp-elastic": {"hp-checkpointless"}}
+# of the checkpointless runtime, so hp-elastic builds on hp-checkpointless; the chaos harness runs and
+# measures hp jobs of every kind, so it depends on what it drives (and nothing depends on it)
+ALSO_ALLOWED = {"hp-elastic": {"hp-checkpointless"},
+                "hp-chaos": {"hp-checkpointless", "hp-elastic", "hp-tiered-ckpt"}}
 Target = tuple[str, dict[str, Any]]
 
 
@@ -190,3 +193,146 @@ def test_core_imports_alone(tmp_path: Path) -> None:
     others = [f"hp.{import_name(d)}" for d in DISTS if d != CORE]
     leaked = [m for m in loaded if any(m == o or m.startswith(o + ".") for o in others)]
     assert not leaked, f"importing hp.core also imported other distributions' modules: {leaked}"
+
+
+def _imports(path: Path) -> list[tuple[str, bool]]:
+    """(top-level module name, whether imported at module level) of every absolute import in a file."""
+    tree = ast.parse(path.read_text(), str(path))
+    module_level = {id(node) for node in tree.body}
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names = [node.module]
+        else:
+            continue
+        out += [(n if n.split(".")[0] == "hp" else n.split(".")[0], id(node) in module_level) for n in names]
+    return out
+
+
+@pytest.mark.parametrize("dist", DISTS)
+def test_declared_dependencies_match_real_imports(dist: str) -> None:
+    """Every distribution a module imports is declared: a module-level import as a dependency, an import
+    inside a function (an optional feature) at least in an extra. Import names map to distributions
+    through the installed metadata (``packages_distributions``), not a hand-written table."""
+    from importlib.metadata import packages_distributions
+
+    proj = project(ROOT / "packages" / dist)
+    declared = {req_name(r) for r in proj.get("dependencies", [])}
+    extras = {req_name(r) for reqs in proj.get("optional-dependencies", {}).values() for r in reqs}
+    plugins = set(proj.get("entry-points", {}).get("pytest11", {}).values())  # loaded by pytest only
+    providers = packages_distributions()
+    missing = []
+    for path in sorted((ROOT / "packages" / dist / "src").rglob("*.py")):
+        rel = path.relative_to(ROOT / "packages" / dist / "src").with_suffix("")
+        module = ".".join(rel.parts).removesuffix(".__init__")
+        for name, at_module_level in _imports(path):
+            if name.split(".")[0] == "hp":
+                dists = {f"hp-{name.split('.')[1].replace('_', '-')}"} if "." in name else set()
+            elif name in sys.stdlib_module_names or name == "__future__":
+                continue
+            else:
+                dists = {req_name(d) for d in providers.get(name, [f"?{name}"])}
+            if not dists or dist in dists:
+                continue
+            ok = dists & declared or (dists & extras and (not at_module_level or module in plugins and name == "pytest"))
+            if not ok:
+                missing.append(f"{module} imports {name} ({'/'.join(sorted(dists))}"
+                               f"{'' if at_module_level else ', in a function'})")
+    assert not missing, f"{dist}/pyproject.toml does not declare: " + "; ".join(sorted(set(missing)))
+
+
+# -- each distribution installs alone ------------------------------------------------------------------
+# A wheel of it and of the hp distributions it declares, with their declared third-party requirements,
+# into a fresh venv; then it imports, and every ``hp`` command (and sub-command) that install offers
+# prints its help. torch is installed once, into a directory every venv sees through a ``.pth`` file (a
+# CPU wheel is ~700 MB: once per venv would cost minutes); pip counts it as installed, so a requirement on
+# torch installs nothing more. Everything else comes from the index, as a user's install would.
+
+PIP_ENV = {**os.environ, "PIP_DISABLE_PIP_VERSION_CHECK": "1"}
+TORCH = os.environ.get("HP_TORCH", "torch==2.13.0")  # as scripts/setup.sh
+
+
+def _run(cmd: list[str], timeout: float = 600, **kw) -> subprocess.CompletedProcess:
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=PIP_ENV, **kw)
+    assert out.returncode == 0, f"{' '.join(map(str, cmd))} failed:\n{out.stdout[-2000:]}\n{out.stderr[-3000:]}"
+    return out
+
+
+@pytest.fixture(scope="module")
+def wheels(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("wheels")
+    for dist in DISTS:  # from copies: setuptools reuses a stale build/ dir, which would race other builds
+        src = tmp_path_factory.mktemp(dist)
+        shutil.copytree(ROOT / "packages" / dist, src / dist,
+                        ignore=shutil.ignore_patterns("build", "*.egg-info", "__pycache__"))
+        _run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(out),
+              str(src / dist)])
+    return out
+
+
+@pytest.fixture(scope="module")
+def torch_dir(tmp_path_factory) -> Path:
+    target = tmp_path_factory.mktemp("torch")
+    _run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target), TORCH])
+    return target
+
+
+def _requirements(wheel: Path) -> list[str]:
+    with zipfile.ZipFile(wheel) as whl:
+        meta = whl.read(next(n for n in whl.namelist() if n.endswith(".dist-info/METADATA"))).decode()
+    return [r for r in re.findall(r"^Requires-Dist: (.+)$", meta, re.M) if "extra ==" not in r]
+
+
+def _commands(hp: Path, *prefix: str) -> list[tuple[str, ...]]:
+    """Every command and sub-command of this install's ``hp``: argparse lists a sub-parser's choices under
+    its metavar (``COMMAND ...`` in the usage), one per line, indented by 4."""
+    text = _run([str(hp), *prefix, "--help"], timeout=120).stdout
+    usage = text.split("\n\n")[0]
+    metavar = re.search(r"([A-Z][A-Z_]*) \.\.\.\s*$", usage)
+    if not metavar:
+        return []
+    lines = text.splitlines()
+    start = lines.index(f"  {metavar.group(1)}") + 1
+    subs = []
+    for line in lines[start:]:
+        if not line.strip():
+            break
+        if m := re.match(r"^    ([a-z][a-z0-9_-]*)(\s|$)", line):
+            subs.append(m.group(1))
+    return [(*prefix, sub) for sub in subs] + [c for sub in subs for c in _commands(hp, *prefix, sub)]
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+@pytest.mark.parametrize("dist", DISTS)
+def test_each_distribution_installs_alone_imports_and_every_command_prints_help(dist, wheels, torch_dir, tmp_path):
+    by_name = {req_name(w.name.split("-")[0].replace("_", "-")): w for w in wheels.glob("*.whl")}
+    assert set(by_name) == set(DISTS), sorted(by_name)
+    closure, todo, third_party = set(), [dist], []
+    while todo:
+        name = todo.pop()
+        if name in closure:
+            continue
+        closure.add(name)
+        for req in _requirements(by_name[name]):
+            (todo if req_name(req).startswith("hp-") else third_party).append(req_name(req) if
+                                                                              req_name(req).startswith("hp-") else req)
+    venv = tmp_path / "venv"
+    _run([sys.executable, "-m", "venv", str(venv)])
+    py = venv / "bin" / "python"
+    site = Path(_run([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"]).stdout.strip())
+    (site / "hp_test_torch.pth").write_text(str(torch_dir) + "\n")
+    _run([str(py), "-m", "pip", "install", "-q", "--no-deps", *[str(by_name[n]) for n in sorted(closure)]])
+    _run([str(py), "-m", "pip", "install", "-q", *sorted(set(third_party))])  # torch: already there
+    installed = _run([str(py), "-m", "pip", "list", "--format=freeze"]).stdout
+    hp_installed = sorted(req_name(line.split("==")[0]) for line in installed.splitlines()
+                          if req_name(line.split("==")[0]).startswith("hp-"))
+    assert hp_installed == sorted(closure), f"{dist} alone brought {hp_installed}"
+    _run([str(py), "-c", f"import hp.{import_name(dist)}"], timeout=120, cwd=tmp_path)
+    hp = venv / "bin" / "hp"
+    commands = _commands(hp)
+    assert ("run",) in commands and ("backends",) in commands  # hp-core's, in every install
+    for cmd in commands:
+        _run([str(hp), *cmd, "--help"], timeout=120, cwd=tmp_path)

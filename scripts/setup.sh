@@ -22,8 +22,8 @@ fi
 .venv/bin/python -m pip install -qq "$HP_TORCH"
 .venv/bin/python -m pip install -qq \
     -e "packages/hp-core[test]" \
-    -e "packages/hp-elastic[test]" \
-    -e "packages/hp-checkpointless[test]" \
+    -e "packages/hp-elastic[test,plot]" \
+    -e "packages/hp-checkpointless[test,tiered]" \
     -e "packages/hp-tiered-ckpt[test]" \
     -e "packages/hp-chaos[test,torchft]"
 echo "setup: .venv ready ($(.venv/bin/python -c 'import torch; print("torch", torch.__version__)'))"

@@ -21,8 +21,11 @@ def commit(t: float, step: int, loss: float, generation: int = GEN) -> dict:
     return {"t": t, "event": "commit", "rank": 0, "step": step, "generation": generation, "loss": loss.hex()}
 
 
+FINAL = {"t": 8.0, "event": "final_state", "rank": 0, "step": 7, "digests": {"params": "p", "optimizer": "o"}}
+
+
 def reference() -> RunResult:
-    return RunResult(0, 10.0, [commit(float(s), s, 5.0 - s / 10) for s in range(8)], "")
+    return RunResult(0, 10.0, [commit(float(s), s, 5.0 - s / 10) for s in range(8)] + [FINAL], "")
 
 
 def faulted(changed_step: int | None = None, returncode: int = 0) -> JobRun:
@@ -34,6 +37,7 @@ def faulted(changed_step: int | None = None, returncode: int = 0) -> JobRun:
            {"t": 3.8, "event": "pg_ready", "generation": 2, "rank": 0},
            {"t": 3.9, "event": "resumed", "generation": 2, "rank": 0, "step": 3}]
     ev += [commit(0.5 + s, s, 5.0 - s / 10 + (1e-9 if s == changed_step else 0.0), 2) for s in range(4, 8)]
+    ev.append({**FINAL, "t": 8.5})
     return JobRun(RunResult(returncode, 12.0, ev, "hp run: job failed: rank 1 died\n"), False, 0, [])
 
 
@@ -59,8 +63,8 @@ def test_a_recovered_fault_meets_every_expectation():
 
 @pytest.mark.parametrize("expect, run, unmet", [
     ({"max_recovery_s": 0.5}, None, "max_recovery_s: faults[0] (kill of rank:1 at step 4 (allreduce)) expected <= 0.5"),
-    ({"bitwise_equal": True}, faulted(changed_step=6), "bitwise_equal: expected True, got False (steps differing "
-                                                       "or missing: [6])"),
+    ({"bitwise_equal": True}, faulted(changed_step=6), "bitwise_equal: expected True, got False (steps whose losses "
+                                                       "(any rank) differ or are missing: [6]; final state: equal)"),
     ({"min_goodput": 0.99}, None, "min_goodput: expected >= 0.99, got 0.933"),
     ({"recoveries": 0}, None, "recoveries: expected <= 0, got 1"),
     ({"completes": True}, faulted(returncode=1), "completes: the faulted job failed (exit 1): hp run: job failed"),
@@ -82,9 +86,34 @@ def test_a_fault_that_never_fired_fails_the_scenario():
 
 def test_a_lost_step_is_counted():
     run = faulted()
-    run.result.events.append(commit(7.9, 7, 4.3, 2))  # step 7 committed twice
+    run.result.events.append(commit(7.9, 7, 4.3, 3))  # step 7 committed again, in a later generation
     r = verdict({"lost_steps": 0}, run)
     assert r["lost_steps"] == 1 and r["failures"] == ["lost_steps: expected <= 0, got 1"]
+
+
+def test_bit_equality_is_every_rank_s_own_loss_and_final_state_whichever_ranks_committed_a_step():
+    ref, run = reference(), faulted()
+    for e in ref.events + run.result.events:  # rank 0's own loss; rank 1's commits beside rank 0's
+        if e["event"] == "commit":
+            e["local"] = {"0": "0x1.0p+0", "1": "0x1.8p+0"}
+    ref.events += [{**e, "rank": 1} for e in ref.events if e["event"] == "commit"] + [{**FINAL, "rank": 1}]
+    run.result.events += [{**e, "rank": 1} for e in run.result.events if e["event"] == "commit"] + [{**FINAL, "rank": 1}]
+    assert verdict({"bitwise_equal": True}, run, ref)["passed"]
+    # rank 0 hydrated past step 6 (it failed after the vote): rank 1's commit still covers the step
+    run.result.events[:] = [e for e in run.result.events if not (e["event"] == "commit" and e["step"] == 6
+                                                                 and e["rank"] == 0)]
+    assert verdict({"bitwise_equal": True}, run, ref)["passed"]
+    # one rank's own loss of one step differs, while the global mean is the same bits
+    next(e for e in run.result.events if e["event"] == "commit" and e["step"] == 5 and e["rank"] == 1)["local"] = \
+        {"0": "0x1.0p+0", "1": "0x1.8000000000001p+0"}
+    r = verdict({"bitwise_equal": True}, run, ref)
+    assert r["failures"] == ["bitwise_equal: expected True, got False (steps whose losses (any rank) differ or are "
+                             "missing: [5]; final state: equal)"]
+    # every loss the same bits, one rank's final weights one ulp off
+    run = faulted()
+    run.result.events[-1] = {**FINAL, "t": 8.5, "digests": {"params": "p+1ulp", "optimizer": "o"}}
+    r = verdict({"bitwise_equal": True}, run)
+    assert not r["passed"] and "rank 0 params: not the reference's" in r["failures"][0]
 
 
 def test_hp_chaos_report_writes_a_png_and_prints_the_table(tmp_path):

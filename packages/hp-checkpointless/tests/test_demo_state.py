@@ -62,7 +62,7 @@ def test_a_scaler_is_compared_once_any_rank_has_one():
 def table(**state) -> str:
     r = {"fault": {"kind": "kill", "rank": 1, "at_step": 5, "phase": "allreduce"}, "world_size": 4, "spares": 1,
          "steps": 10, "model_size": "tiny", "completed": True, "step_time_s": 0.01, "recovery_s": 1.0, "phases": {},
-         "lost_steps": 0, "bitwise_equal": True, "steps_compared": 10,
+         "lost_steps": 0, "bitwise_equal": True, "losses_equal": True, "steps_compared": 10,
          "data_cache": {"cold_preprocess_s": 0.1, "warm_attach_s": 0.001},
          "reference": {"wall_s": 1.0}, "faulted": {"wall_s": 2.0}, "log_dir": "/tmp/x", **state}
     return next(line for line in format_table(r).splitlines() if line.startswith("final state"))
@@ -78,3 +78,20 @@ def test_the_table_row():
     no = table(state_equal=False, state_parts=[], state_differences=["no final state recorded by the faulted run"],
                final_state={"reference": ranks, "faulted": {}})
     assert no.endswith("NO (no final state recorded by the faulted run)")
+
+
+def test_losses_are_every_rank_s_from_whichever_ranks_committed_the_step():
+    def job(*commits: tuple[int, int, int, str, dict]) -> RunResult:
+        return RunResult(0, 1.0, [{"t": 0.0, "event": "commit", "rank": r, "step": s, "generation": g, "loss": mean,
+                                   "local": local} for r, s, g, mean, local in commits], "")
+
+    a, b = {"0": "0x1.0p+0", "1": "0x1.8p+0"}, {"0": "0x1.0p+0", "1": "0x1.8000000000001p+0"}
+    ref = job((0, 0, 1, "0x1.4p+0", a), (1, 0, 1, "0x1.4p+0", a), (0, 1, 1, "0x1.4p+0", a), (1, 1, 1, "0x1.4p+0", a))
+    # rank 0 hydrated past step 1: rank 1's commit covers it
+    assert compare(ref, job((0, 0, 1, "0x1.4p+0", a), (1, 0, 1, "0x1.4p+0", a), (1, 1, 2, "0x1.4p+0", a)))["bitwise_equal"]
+    # the same global mean, one rank's own loss one ulp off
+    assert compare(ref, job((0, 0, 1, "0x1.4p+0", a), (1, 0, 1, "0x1.4p+0", b), (1, 1, 1, "0x1.4p+0", a))) == \
+        {"bitwise_equal": False, "lost_steps": 0, "steps_compared": 2}
+    # step 1 committed again by a later generation (the job went back): lost, and still equal
+    again = job((0, 0, 1, "0x1.4p+0", a), (0, 1, 1, "0x1.4p+0", a), (0, 1, 3, "0x1.4p+0", a), (1, 1, 3, "0x1.4p+0", a))
+    assert compare(ref, again) == {"bitwise_equal": True, "lost_steps": 1, "steps_compared": 2}

@@ -1,7 +1,9 @@
 """Run a scenario: the fault-free reference and the faulted job, then check every expectation.
 
-The verdict comes from the jobs' own event logs: rank 0's committed losses as exact float bits
-(compared step by step), each fault's recovery (fault -> next commit, split into phases by
+The verdict comes from the jobs' own event logs: bit-equality is every step's losses as exact float
+bits, the global mean and every rank's own (each vote slot's: a rank, or a micro-batch), from whichever
+ranks committed the step (:func:`hp.checkpointless.demo.run.differing_steps`), and every rank's final
+state (:func:`hp.checkpointless.demo.run.compare_state`), against the reference; each fault's recovery (fault -> next commit, split into phases by
 :func:`hp.checkpointless.demo.run.recovery_timeline`), the failed generations, and goodput.
 
 **goodput** = productive step time / wall time of the faulted run's training window (rank 0's first
@@ -16,8 +18,8 @@ same policy and flags) with no fault, so it runs at its initial world size throu
 run's world size per step comes from its commit events (``world``), its scale events and their
 pauses from :func:`hp.elastic.demo.run.scale_events` (pause = first commit at the new size − last
 commit at the old one − the median step time at the new size; the whole gap where no two
-consecutive steps ran at the new size). In exact mode bit-equality is every rank's loss of every
-step (one value per step, the reference's) and every rank's final state (weights, buffers,
+consecutive steps ran at the new size). In exact mode bit-equality is every step's losses (the
+slots are micro-batches, the same at any world size) and every rank's final state (weights, buffers,
 optimizer: :func:`hp.checkpointless.demo.run.compare_state`) against the reference's: against the
 same rank, or rank 0's where the reference had no such rank (a grown job; every rank of a
 replicated job holds the same state, which ``compare_state`` checks too).
@@ -39,7 +41,8 @@ from hp.chaos.faults import fault_kinds
 from hp.chaos.faults.base import FaultSpec
 from hp.chaos.launch import JobRun, run_job
 from hp.chaos.scenario import JobSpec, Scenario
-from hp.checkpointless.demo.run import RunResult, compare, compare_state, final_states, recovery_timeline, step_time
+from hp.checkpointless.demo.run import (RunResult, compare, compare_state, differing_steps, final_states,
+                                        recovery_timeline, step_time)
 from hp.core.protocol import Event
 
 
@@ -189,6 +192,10 @@ def evaluate(scenario: Scenario, reference: RunResult, run: JobRun, persisted: d
     elastic = _elastic(scenario, reference, faulted) if scenario.job.elastic is not None else None
     if elastic is not None and "bitwise_equal" in elastic:
         verdict = {**verdict, "bitwise_equal": elastic["bitwise_equal"]}
+    state = None
+    if elastic is None:  # every rank's final state too (an elastic job's ranks are compared in _elastic)
+        state = compare_state(reference, faulted)
+        verdict = {**verdict, "bitwise_equal": verdict["bitwise_equal"] and state["state_equal"]}
     failures: list[str] = []
     if reference.returncode != 0:
         failures.append(f"reference: the fault-free job failed (exit {reference.returncode}): "
@@ -216,9 +223,8 @@ def evaluate(scenario: Scenario, reference: RunResult, run: JobRun, persisted: d
             why = (f"steps whose losses (any rank) differ or are missing: {elastic['losses_differ'][:10]}; "
                    f"final state: {'; '.join(elastic['state_differences'][:4]) or 'equal'}")
         else:
-            ref, got = reference.losses(), faulted.losses()
-            differ = sorted(s for s in set(ref) | set(got) if set(got.get(s, [])) != set(ref.get(s, [])[:1]))
-            why = f"steps differing or missing: {differ[:10]}"
+            why = (f"steps whose losses (any rank) differ or are missing: {differing_steps(reference, faulted)[:10]}; "
+                   f"final state: {('; '.join(state['state_differences'][:4]) or 'equal') if state else 'not compared'}")
         failures.append(f"bitwise_equal: expected {expect.bitwise_equal}, got {verdict['bitwise_equal']} ({why})")
     if expect.lost_steps is not None and verdict["lost_steps"] > expect.lost_steps:
         failures.append(f"lost_steps: expected <= {expect.lost_steps}, got {verdict['lost_steps']}")
@@ -250,6 +256,7 @@ def evaluate(scenario: Scenario, reference: RunResult, run: JobRun, persisted: d
         "name": scenario.name,
         "passed": not failures,
         "bitwise_equal": verdict["bitwise_equal"],
+        **({"state_differences": state["state_differences"]} if state is not None else {}),
         "lost_steps": verdict["lost_steps"],
         "recovery_s": [f["recovery_s"] for f in faults],
         "goodput": gp,
@@ -277,7 +284,7 @@ def evaluate(scenario: Scenario, reference: RunResult, run: JobRun, persisted: d
 def _elastic(scenario: Scenario, reference: RunResult, faulted: RunResult) -> dict:
     """World sizes, scale events and (exact mode) every rank's losses and final state against the
     reference; see the module docstring."""
-    from hp.elastic.demo.run import commits, scale_events, world_by_step
+    from hp.elastic.demo.run import scale_events, world_by_step
 
     worlds = world_by_step(faulted.events)
     sizes = [worlds[s] for s in sorted(worlds)]
@@ -288,10 +295,8 @@ def _elastic(scenario: Scenario, reference: RunResult, faulted: RunResult) -> di
         "scale_events": changes,
         "exact": scenario.job.elastic.exact,
     }
-    if scenario.job.elastic.exact:
-        ref = {s: {e["loss"] for e in es} for s, es in commits(reference.events).items()}
-        got = {s: {e["loss"] for e in es} for s, es in commits(faulted.events).items()}
-        differ = sorted(s for s in set(ref) | set(got) if got.get(s) != ref.get(s) or len(got[s]) != 1)
+    if scenario.job.elastic.exact:  # vote slots are micro-batches: the same at every world size
+        differ = differing_steps(reference, faulted)
         state = compare_state(_reference_states(reference, faulted), faulted)
         out.update({"losses_equal": not differ, "losses_differ": differ, **state,
                     "bitwise_equal": not differ and state["state_equal"]})

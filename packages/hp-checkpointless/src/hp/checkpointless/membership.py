@@ -111,6 +111,10 @@ class Watch:
             thread.start()
         return self
 
+    def orphaned(self) -> bool:
+        """Whether the agent that started this process died (it was re-parented)."""
+        return os.getppid() != self._parent
+
     def beat(self) -> None:
         if self._heartbeat_file:
             with open(self._heartbeat_file, "a"):
@@ -119,7 +123,7 @@ class Watch:
     def _beat_loop(self) -> None:
         while not self._stop.wait(self._beat_every):
             self.beat()
-            if self._on_orphaned is not None and os.getppid() != self._parent:
+            if self._on_orphaned is not None and self.orphaned():
                 self._on_orphaned()  # nobody supervises this process any more
                 return
 

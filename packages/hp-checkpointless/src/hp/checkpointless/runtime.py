@@ -253,8 +253,8 @@ class Context:
             raise UsageError("ctx.commit(loss) is called once per step, inside `with step:`")
         step, st = int(self._step), self._training
         self._phase(step, "commit")
-        mean, skip, self._reform_due = self._tx.vote(step, self._loss_slots(loss), self.world_size,
-                                                     self._machine.boundary_due())
+        slots = self._loss_slots(loss)
+        mean, skip, self._reform_due = self._tx.vote(step, slots, self.world_size, self._machine.boundary_due())
         # committed: from here on, survivors finish the step whatever happens to peers
         self._machine.to(RankState.FINISHING)
         self._phase(step, "optimizer")
@@ -264,8 +264,10 @@ class Context:
         self._step_done, self.last_loss = True, mean
         if skip:
             self.events.record(Event.STEP_SKIPPED, step=step, rank=self.rank, scale=st.scaler.get_scale())
+        # loss: the global mean; local: this rank's own losses by vote slot (its rank, or its micro-batches)
         self.events.record(Event.COMMIT, step=step, rank=self.rank, generation=self.generation, loss=mean.hex(),
-                           world=self.world_size, samples=st.samples)
+                           local={str(k): float(v).hex() for k, v in slots.items()}, world=self.world_size,
+                           samples=st.samples)
         if not self._size_published:  # after the first commit, when lazily created optimizer state exists
             self._size_published = True
             self._formation.publish_state_size(st)
@@ -323,6 +325,8 @@ class Context:
         return True
 
     def _recover(self, step: Step, exc: Exception) -> None:
+        if self._watch.orphaned():  # the peer that failed left because the agent died: so must this rank
+            self._orphaned()
         failure = self._machine.failed(in_step=not isinstance(exc, CollectiveError))
         failed_generation = self.generation
         self.events.record(Event.FAILURE_DETECTED, step=int(step), rank=self.rank, generation=failed_generation,
@@ -376,8 +380,10 @@ class Context:
             raise CollectiveError(f"{self._machine.superseded()} during the step")
 
     def _orphaned(self) -> None:
-        """Watch thread: the agent that started this process is gone (SIGKILLed with its node's
-        controller, say). Nobody can fence or replace this rank any more: leave at once."""
+        """The agent that started this process is gone (SIGKILLed with its node's controller, say): seen
+        by the watch thread, or by the main thread when a failure (a peer that left for this reason, the
+        store gone with the agent) finds it gone first. Nobody can fence or replace this rank any more:
+        leave at once."""
         self.events.record(Event.ORPHANED, rank=self._formation.rank, generation=self.generation)
         print(f"hp: rank {self._formation.rank}: the agent that started this process died; exiting",
               file=sys.stderr, flush=True)
@@ -407,6 +413,10 @@ def recoverable(fn):
         ctx = Context()
         try:
             return fn(ctx, *args, **kwargs)
+        except Exception:
+            if ctx._watch.orphaned():  # e.g. the store died with the agent while this rank waited on it
+                ctx._orphaned()
+            raise
         finally:
             ctx.close()
 

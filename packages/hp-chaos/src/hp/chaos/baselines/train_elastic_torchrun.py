@@ -18,8 +18,8 @@ complete checkpoint and go on from there. The model, corpus and token cache are 
 rank ``r`` of ``W`` computes a contiguous block of them (the first ``M % W`` ranks one more), with
 gradient accumulation under ``no_sync`` and each micro-batch's loss scaled by ``W / M`` so DDP's
 average over ``W`` is the mean over the ``M`` micro-batches at any ``W`` (uneven splits included).
-The same rules as :mod:`hp.elastic.ownership`, restated here because hp-chaos does not depend on
-hp-elastic. The learning rate does not change with ``W`` (the global batch does not).
+The same rules as :mod:`hp.elastic.ownership`, restated here: the baseline is plain torchrun + DDP
++ DCP, with no hp module in its processes. The learning rate does not change with ``W`` (the global batch does not).
 
 **Checkpoints.** A synchronous ``dcp.save`` after every step ``s`` with ``s % ckpt_every == 0``
 (s > 0) into ``<log-dir>/ckpt/step<s>``: at this model size a save takes tens of milliseconds, and

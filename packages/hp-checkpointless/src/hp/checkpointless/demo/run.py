@@ -50,11 +50,23 @@ class RunResult:
     output: str
 
     def losses(self) -> dict[int, list[str]]:
-        """Every committed loss of rank 0 per step, as exact float hex (a step twice = lost work)."""
-        out: dict[int, list[str]] = {}
+        """Step -> the global mean loss (exact float hex) of each generation that committed it, from
+        whichever ranks committed it (a rank that hydrated past a step did not skip it); a step in two
+        generations was committed twice: lost work."""
+        out: dict[int, dict[int, str]] = {}
         for e in self.events:
-            if e["event"] == "commit" and e.get("rank") == 0:
-                out.setdefault(e["step"], []).append(e["loss"])
+            if e["event"] == "commit":
+                out.setdefault(e["step"], {}).setdefault(e["generation"], e["loss"])
+        return {step: [by_generation[g] for g in sorted(by_generation)] for step, by_generation in out.items()}
+
+    def local_losses(self) -> dict[int, dict[str, set[str]]]:
+        """Step -> vote slot (a rank, or a micro-batch in a split step) -> the local losses committed for
+        it, by every rank and generation (more than one value: not the same bits)."""
+        out: dict[int, dict[str, set[str]]] = {}
+        for e in self.events:
+            if e["event"] == "commit":
+                for slot, loss in e.get("local", {}).items():
+                    out.setdefault(e["step"], {}).setdefault(slot, set()).add(loss)
         return out
 
 
@@ -121,11 +133,28 @@ def recovery_timeline(events: list[dict]) -> list[dict]:
     return out
 
 
-def compare(reference: RunResult, faulted: RunResult) -> dict:
+def differing_steps(reference: RunResult, faulted: RunResult) -> list[int]:
+    """Steps whose losses are not the reference's bits, or that only one of the runs committed. Checked
+    per step: the global mean, and every vote slot's own loss (a rank's, or a micro-batch's in a split
+    step) that a rank committing the step recorded. A rank that hydrated past a step (it failed after
+    the vote) recorded none for it: the global mean, which summed its loss, stands in for it."""
     ref, got = reference.losses(), faulted.losses()
-    lost = sum(len(v) - 1 for v in got.values())
-    equal = set(ref) == set(got) and all(set(got[s]) == {ref[s][0]} for s in ref)
-    return {"bitwise_equal": equal, "lost_steps": lost, "steps_compared": len(ref)}
+    ref_local, got_local = reference.local_losses(), faulted.local_losses()
+
+    def slots_differ(s: int) -> bool:
+        mine, theirs = got_local.get(s, {}), ref_local.get(s, {})
+        return any(slot not in theirs or values != theirs[slot] for slot, values in mine.items())
+
+    return sorted(s for s in set(ref) | set(got) if s not in ref or s not in got or set(got[s]) != {ref[s][0]}
+                  or slots_differ(s))
+
+
+def compare(reference: RunResult, faulted: RunResult) -> dict:
+    """Every step's losses against the reference (:func:`differing_steps`). ``lost_steps``: steps
+    committed again in a later generation (the work of their first commit was lost)."""
+    lost = sum(len(v) - 1 for v in faulted.losses().values())
+    return {"bitwise_equal": not differing_steps(reference, faulted), "lost_steps": lost,
+            "steps_compared": len(reference.losses())}
 
 
 STATE_PARTS = ("params", "buffers", "optimizer", "scheduler", "scaler")
@@ -187,8 +216,10 @@ def run_demo(cfg: DemoConfig) -> dict:
     faulted = run_job(cfg, os.path.join(root, "faulted"), [fault, *cfg.extra_faults])
     timeline = recovery_timeline(faulted.events)
     first = timeline[0] if timeline else {"recovery_s": None, "phases": {}}
+    verdict = compare(reference, faulted)
     result = {
-        **compare(reference, faulted),
+        **verdict,
+        "losses_equal": verdict["bitwise_equal"],
         "recovery_s": first["recovery_s"],
         "phases": first["phases"],
         "faults": timeline,
@@ -205,6 +236,7 @@ def run_demo(cfg: DemoConfig) -> dict:
     }
     state = compare_state(reference, faulted, cfg.nproc, sharded_optimizer="--zero" in cfg.train_args)
     result.update(state)
+    result["bitwise_equal"] = verdict["bitwise_equal"] and state["state_equal"]  # every rank: losses and state
     result["final_state"] = {"reference": final_states(reference), "faulted": final_states(faulted)}
     result["sharded_optimizer"] = "--zero" in cfg.train_args
     result["completed"] = reference.returncode == 0 and faulted.returncode == 0
@@ -225,7 +257,8 @@ def format_table(r: dict) -> str:
     rows += [(f"  {name}", f"{secs * 1000:.0f} ms") for name, secs in r["phases"].items()]
     rows += [
         ("lost steps", str(r["lost_steps"])),
-        ("losses bit-identical", f"{'yes' if r['bitwise_equal'] else 'NO'} ({r['steps_compared']} steps)"),
+        ("losses bit-identical", f"{'yes' if r['losses_equal'] else 'NO'} ({r['steps_compared']} steps, every "
+                                 f"rank's own loss and the global mean)"),
         ("final state bit-identical", _state_row(r)),
         ("data cache", f"cold preprocess {r['data_cache']['cold_preprocess_s']:.2f} s, "
                        f"warm attach {r['data_cache']['warm_attach_s'] * 1000:.2f} ms"),

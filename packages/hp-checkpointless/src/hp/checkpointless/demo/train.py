@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 
 import torch
 import torch.nn.functional as F
@@ -29,6 +30,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add_checkpoint_args(p)
     p.add_argument("--zero", action="store_true",
                    help="shard the optimizer state (torch ZeroRedundancyOptimizer) instead of replicating it")
+    p.add_argument("--ulp-after-recovery", type=int, default=None, metavar="RANK",
+                   help="harness self-test: after the last step, the process holding RANK, if it joined by a "
+                        "recovery, moves one weight by one ulp (hp demo must then report the state unequal)")
     return p.parse_args(argv)
 
 
@@ -44,7 +48,7 @@ def job_checkpoint(args: argparse.Namespace):
     """The job-level rung the flags of :func:`add_checkpoint_args` ask for (None: none)."""
     if not args.checkpoint:
         return None
-    from hp.tiered_ckpt import TieredConfig  # optional: hp-checkpointless does not depend on hp-tiered-ckpt
+    from hp.tiered_ckpt import TieredConfig  # the "tiered" extra: hp-checkpointless does not depend on hp-tiered-ckpt
     from hp.tiered_ckpt.rung import TieredRung
 
     persist = {} if args.checkpoint_persist_every is None else {"persist_every": args.checkpoint_persist_every}
@@ -72,12 +76,17 @@ def main(ctx) -> None:
         optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
         ctx.register(model, optimizer, make_scheduler(optimizer), checkpoint=checkpoint)
 
+    replacement = os.environ.get("HP_ROLE") == "spare" or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0"
     for step in ctx.steps(args.steps):
         with step:
             x, y = batches.get(step, ctx.rank, ctx.world_size)
             loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
             loss.backward()
             ctx.commit(loss)
+            if step == args.steps - 1 and ctx.rank == args.ulp_after_recovery and replacement:
+                with torch.no_grad():  # after the last commit: only the final state shows it
+                    w = next(model.parameters()).view(-1)
+                    w[0] = torch.nextafter(w[0], w[0] + 1)
         if ctx.rank == 0 and ctx.committed == step:
             print(f"step {step:3d} loss {ctx.last_loss:.4f} (generation {ctx.generation})", flush=True)
 
