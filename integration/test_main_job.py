@@ -45,7 +45,7 @@ def test_demo_json_reports_a_bit_identical_recovery(tmp_path):
     assert (result["steps"], result["world_size"], result["spares"]) == (12, 4, 1)
     assert 0 < result["recovery_s"] < 30  # a hang guard; the measured figure is the demo's output
     assert set(result["phases"]) == {"detect", "abort", "spare_attach", "pg_init", "hydrate", "replay"}
-    assert "losses bit-identical             yes (12 steps)" in out.stdout
+    assert "losses bit-identical             yes (12 steps, every rank's own loss and the global mean)" in out.stdout
 
 
 def test_plain_ddp_example_runs_under_hp_run(tmp_path):
