@@ -240,6 +240,7 @@ def main(scenario: str, role: str, port: int, out: Path) -> None:
             except sharded.ShardLost as e:
                 me.result["lost"] = str(e)
                 me.save()
+                me.leave_group()  # as the runtime's close(): exiting with a live gloo group can abort in teardown
                 return
             except RuntimeError as e:  # a peer died while resharding (gloo, or a state transfer)
                 failed = f"generation {generation}: {e}"[:300]
