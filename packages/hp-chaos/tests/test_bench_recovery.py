@@ -8,66 +8,75 @@ import os
 import subprocess
 
 import pytest
-from hp.chaos.baselines import torchft_bench
-from hp.chaos.bench_recovery import analyse_torchrun
+from hp.chaos.bench_recovery import aggregate, analyse_torchrun, every_rank_back
 from hp.core.cli import main as hp_main
 from hp.core.testing import HP, kill_tagged, tagged_pids
 
 
 
 
-@pytest.mark.timeout(420)  # three variants, five jobs: a hang guard for a loaded 2-core box
-def test_bench_recovery_hp_beats_checkpoint_restart_on_the_same_fault(tmp_path):
+@pytest.mark.timeout(900)  # four variants, 3 faults each, 13 jobs: a hang guard for a loaded 2-core box
+def test_bench_recovery_every_variant_three_faults_one_rank_per_core(tmp_path):
     (tmp_path / "cache").mkdir()
     tag = f"HP_TEST_DIR={tmp_path}"
     env = {**os.environ, "HP_DATA_CACHE_DIR": str(tmp_path / "cache"), "HP_TEST_DIR": str(tmp_path)}
     try:
         out = subprocess.run(
             [*HP, "bench", "recovery", "--json", "--model-size", "tiny", "--steps", "12", "--fault-step", "6",
-             "--ckpt-every", "4", "--corpus-mb", "2", "--timeout", "120", "--log-dir", str(tmp_path / "logs")],
-            env=env, capture_output=True, text=True, timeout=400, check=False)
+             "--ckpt-every", "4", "--corpus-mb", "2", "--timeout", "120", "--log-dir", str(tmp_path / "logs"),
+             "--variants", "hp,torchrun_dcp,torchft,nvrx_tuned"],
+            env=env, capture_output=True, text=True, timeout=880, check=False)
         left = tagged_pids(tag)  # no launcher, worker, spare or Lighthouse may outlive the bench
     finally:
         kill_tagged(tag)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert left == []
     r = json.loads(out.stdout.strip().splitlines()[-1])
-    for key in ("model_size", "params", "world_size", "step_time_s", "hp", "torchrun_dcp", "torchft",
-                "ratio_downtime_baseline_over_hp", "ratio_downtime_torchft_over_hp", "downtime_definition"):
-        assert key in r, key
-    assert (r["model_size"], r["world_size"]) == ("tiny", 4) and r["params"] > 0
-    hp, base = r["hp"], r["torchrun_dcp"]
+    assert r["benchmark"] == "recovery" and r["definition_version"] == 2
+    assert r["machine"]["cores"] >= 1 and len(r["load_avg"]["before"]) == 3 and len(r["load_avg"]["after"]) == 3
+    assert (r["model_size"], r["world_size"], r["repeats"]) == ("tiny", 2, 3) and r["params"] > 0
+    assert r["fault"] == {"kind": "kill", "rank": 1, "after_step": 6, "steps_after": 5}
+    assert r["pinned"] is True and r["one_rank_per_core"] is (r["machine"]["cores"] >= 2)
+    v = r["variants"]
+    assert set(v) == {"hp", "torchrun_dcp", "torchft", "nvrx_tuned"}
+    for name, variant in v.items():
+        assert variant["completed"] is True, (name, [x.get("error_tail") for x in variant["runs"]])
+        assert len(variant["runs"]) == 3
+        for key in ("downtime_s", "to_next_step_s", "step_time_s", "recovery_s"):
+            s = variant[key]
+            assert s["n"] == 3 and s["min"] <= s["median"] <= s["max"], (name, key, s)
+        for run in variant["runs"]:  # downtime = every rank back at step F+1, less one step of the variant
+            assert run["downtime_s"] == pytest.approx(run["to_next_step_s"] - run["step_time_s"])
+            assert 0 < run["step_time_s"] < run["to_next_step_s"]
+    hp, base, ft = v["hp"], v["torchrun_dcp"], v["torchft"]
+    # every rank's losses over every step (5 after the fault) and every rank's final state, every fault
     assert hp["bitwise_equal"] is True and hp["lost_steps"] == 0
-    assert set(hp["phases"]) >= {"detect", "hydrate", "replay"} and 0 < hp["recovery_s"] < hp["to_next_step_s"]
+    assert all(run["steps_compared"] == 12 and run["state_differences"] == [] for run in hp["runs"])
+    assert set(hp["phases"]) >= {"detect", "hydrate", "replay"}
+    assert all(0 < run["recovery_s"] < run["to_next_step_s"] for run in hp["runs"])
     # checkpoint after step 4 (4 % 4 == 0), killed after step 6: steps 5 and 6 are computed twice
-    assert base["recomputed_steps"] == 6 - 4 and base["restored_step"] == 4 and base["ckpt_every"] == 4
-    assert base["recompute_bitwise_equal"] is True
-    assert set(base["breakdown"]) == {"detect_teardown", "process_start_import", "data_attach", "pg_init",
-                                      "model_build", "dcp_load", "recompute", "interrupted_step"}
-    # downtime = the time lost: fault -> step 7 committed, less one fault-free step of that variant
-    for v in (hp, base):
-        assert v["downtime_s"] == pytest.approx(v["to_next_step_s"] - v["step_time_s"]) and v["step_time_s"] > 0
-    assert base["downtime_s"] > 0
-    assert r["ratio_downtime_baseline_over_hp"] > 1  # no process restart, no re-import, nothing recomputed
-    assert set(r["step_time_s"]) == {"hp", "torchrun_dcp", "torchft"}
-    ft = r["torchft"]
-    if torchft_bench.available() is None:  # setup.sh installs it: then it must have run, and run through
-        assert ft["completed"] is True, ft.get("error_tail", ft)
-        # survivors' next step ran at world 3; the killed group came back with (at least) step 6's state
-        assert ft["world_at_step_after_fault"] == 3 and ft["restored_step"] >= 6
-        assert ft["rejoin_s"] > 0 and set(ft["rejoin_phases"]) == {
-            "detect_restart", "process_start_import", "data_attach", "model_build", "manager_up", "quorum_heal"}
-        assert sum(ft["rejoin_phases"].values()) == pytest.approx(ft["rejoin_s"])
-        assert 0 < ft["step_time_s"] < ft["to_next_step_s"]
-        assert ft["downtime_s"] == pytest.approx(ft["to_next_step_s"] - ft["step_time_s"])
+    assert base["recomputed_steps"] == 2 and base["recompute_bitwise_equal"] is True
+    assert all(run["restored_step"] == 4 for run in base["runs"])
+    assert set(base["phases"]) == {"detect_teardown", "process_start_import", "data_attach", "pg_init",
+                                   "model_build", "dcp_load", "recompute", "interrupted_step"}
+    for run in base["runs"]:
+        assert sum(run["phases"].values()) == pytest.approx(run["to_next_step_s"])
+    assert r["ratios"]["torchrun_dcp_over_hp"] > 1  # no process restart, no re-import, nothing recomputed
+    # torchft: survivors' next step ran at world 1; the killed group came back with (at least) step 6's state
+    for run in ft["runs"]:
+        assert run["world_at_step_after_fault"] == 1 and run["restored_step"] >= 6
+        assert set(run["phases"]) == {"detect_restart", "process_start_import", "data_attach", "model_build",
+                                      "manager_up", "quorum_heal"}
+        assert sum(run["phases"].values()) == pytest.approx(run["rejoin_s"])
+        assert run["all_ranks_back_s"] >= run["to_next_step_s"]
         # deterministic up to the fault, not after it: from step 7 on, fewer groups, fewer batches
-        assert ft["equal_before_fault"] is True and ft["bitwise_equal"] is False
-        assert ft["first_divergent_step"] == 7 and ft["dropped_batches"] >= 1  # step 7 averaged 3 groups
-        assert ft["lighthouse"]["heartbeat_timeout_ms"] == 5000 and "heals from a live peer" in ft["how"]
-        assert r["ratio_downtime_torchft_over_hp"] > 0 and r["completed"] is True
-    else:
-        assert "skipped" in ft and r["ratio_downtime_torchft_over_hp"] is None
-    assert "fault -> step 7 done" in out.stdout and "downtime (that - step time)" in out.stdout
+        assert run["equal_before_fault"] is True and run["bitwise_equal"] is False
+        assert run["first_divergent_step"] == 7 and run["dropped_batches"] >= 1
+    assert "heals from a live peer" in ft["runs"][0]["how"]
+    nv = v["nvrx_tuned"]
+    assert nv["downtime_s"]["n"] == 3 and r["ratios"]["nvrx_tuned_over_hp"] > 0
+    assert "fault -> step 7 on every rank" in out.stdout and "downtime (that - step time)" in out.stdout
+    assert "median [min-max]" in out.stdout and "NVRx (tuned intervals)" in out.stdout
 
 
 def _event(t: float, event: str, rank: int, attempt: int, **fields) -> dict:
@@ -82,20 +91,42 @@ def test_downtime_is_kill_to_interrupted_step_committed_again_less_one_step():
                                                   ("pg_ready", {}), ("model_ready", {}),
                                                   ("restored", {"step": 1})])]
     events += [_event(10.0 + s, "commit", 0, 1, step=s, loss=f"{s}") for s in (2, 3, 4)]
-    r = analyse_torchrun(sorted(events, key=lambda e: e["t"]), fault_step=3)
+    r = analyse_torchrun(sorted(events, key=lambda e: e["t"]), fault_step=3, nproc=1)
     assert r["step_time_s"] == pytest.approx(1.0)  # attempt 0's commits, one a second
     assert r["to_next_step_s"] == pytest.approx(14.0 - 3.1) and r["recovery_s"] == pytest.approx(9.0 - 3.1)
     assert r["downtime_s"] == pytest.approx(14.0 - 3.1 - 1.0)
     assert r["recomputed_steps"] == 2 and r["restored_step"] == 1 and r["recompute_bitwise_equal"] is True
-    assert r["breakdown"]["detect_teardown"] == pytest.approx(0.4)
-    assert r["breakdown"]["recompute"] == pytest.approx(13.0 - 9.0)
-    assert r["breakdown"]["interrupted_step"] == pytest.approx(1.0)
-    assert sum(r["breakdown"].values()) == pytest.approx(r["to_next_step_s"])
+    assert r["phases"]["detect_teardown"] == pytest.approx(0.4)
+    assert r["phases"]["recompute"] == pytest.approx(13.0 - 9.0)
+    assert r["phases"]["interrupted_step"] == pytest.approx(1.0)
+    assert sum(r["phases"].values()) == pytest.approx(r["to_next_step_s"])
 
 
 @pytest.mark.parametrize("argv", [["bench"], ["bench", "recovery", "--steps", "8", "--fault-step", "7"],
+                                  ["bench", "recovery", "--steps", "12", "--fault-step", "7"],  # 4 steps after it
+                                  ["bench", "recovery", "--repeats", "2"], ["bench", "recovery", "--variants", "hp,x"],
                                   ["bench", "recovery", "--model-size", "huge"], ["bench", "recovery", "--nproc", "1"],
                                   ["bench", "recovery", "--torchft-heartbeat-timeout-ms", "0"]])
 def test_bad_bench_arguments_are_usage_errors(argv, capsys):
     assert hp_main(argv) == 2
     assert "hp: error:" in capsys.readouterr().err
+
+
+def test_back_is_when_the_last_rank_committed_the_interrupted_step():
+    """Every rank back at the step it had reached: the slowest rank's commit counts, whoever holds it."""
+    events = [_event(1.0, "commit", 0, 0, step=3), _event(2.0, "fault_injected", 1, 0, step=3),
+              _event(5.0, "commit", 0, 1, step=4), _event(6.5, "commit", 1, 1, step=4),  # a restarted rank 1
+              _event(7.0, "commit", 0, 1, step=5)]
+    assert every_rank_back(events, 2.0, 4, range(2)) == pytest.approx(4.5)
+    assert every_rank_back(events, 2.0, 4, range(3)) is None  # rank 2 never came back
+
+
+def test_aggregate_is_median_with_spread_and_verdicts_of_every_run():
+    runs = [{"completed": True, "downtime_s": d, "phases": {"detect": d / 2}, "bitwise_equal": True, "lost_steps": 0}
+            for d in (0.9, 0.5, 2.0)]
+    a = aggregate(runs)
+    assert a["downtime_s"] == {"median": 0.9, "min": 0.5, "max": 2.0, "n": 3, "values": [0.9, 0.5, 2.0]}
+    assert a["phases"]["detect"]["median"] == pytest.approx(0.45) and a["completed"] and a["bitwise_equal"]
+    runs[1]["bitwise_equal"] = False
+    runs[2]["completed"] = False
+    assert aggregate(runs)["bitwise_equal"] is False and aggregate(runs)["completed"] is False

@@ -25,6 +25,10 @@ import statistics
 import tempfile
 from dataclasses import asdict, dataclass
 
+from hp.core.benchmeta import BenchRun
+
+DEFINITION_VERSION = 1  # pause = first commit at the new size - last before the event - a step at the new size
+
 
 @dataclass
 class ElasticBenchConfig:
@@ -46,6 +50,7 @@ def _by_kind(events: list[dict], kind_key: str = "kind") -> dict[str, float]:
 
 
 def run_bench(cfg: ElasticBenchConfig) -> dict:
+    bench = BenchRun("elastic", DEFINITION_VERSION)
     from hp.chaos.baselines.elastic_torchrun import ElasticBaselineConfig, run_baseline
     from hp.elastic.demo.run import ElasticDemoConfig, run_elastic_demo
 
@@ -65,7 +70,7 @@ def run_bench(cfg: ElasticBenchConfig) -> dict:
     base_pauses = [e["pause_s"] for e in base.get("events", [])]
     hp_median = round(statistics.median(hp_pauses), 4) if hp_pauses else None
     base_median = round(statistics.median(base_pauses), 4) if base_pauses else None
-    return {
+    return bench.stamp({
         "completed": bool(hp["completed"] and base.get("completed")),
         "config": asdict(cfg),
         "pause_s": hp_median, "baseline_pause_s": base_median,
@@ -80,7 +85,7 @@ def run_bench(cfg: ElasticBenchConfig) -> dict:
                      "events": base.get("events", []), "lost_steps": sum(e.get("lost_steps", 0) for e in base.get("events", [])),
                      "step_time_s": base.get("step_time_s"), "error": base.get("error")},
         "log_dir": root,
-    }
+    })
 
 
 def format_table(result: dict) -> str:

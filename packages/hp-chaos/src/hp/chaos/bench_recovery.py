@@ -1,28 +1,37 @@
-"""``hp bench recovery``: one job, one SIGKILL of rank 1, recovered by hp, torchrun + DCP and torchft.
+"""``hp bench recovery``: the same SIGKILL recovered by hp, torchrun + DCP, torchft and NVIDIA's
+in-process restart, each fault measured the same way, one rank per core.
 
-Why: "checkpointless" is a claim about downtime, and a claim needs the traditional path measured on
+Why: "checkpointless" is a claim about downtime, and a claim needs the traditional paths measured on
 the same job, on the same box, in the same run. Variants:
 
 - ``hp``: ``hp run`` with one hot spare, through :mod:`hp.checkpointless.demo.run` (a fault-free
-  reference and the faulted job): survivors stay in process, the spare takes the dead rank and
-  hydrates from a peer, the interrupted step is replayed. Losses are compared bit for bit.
+  reference and the faulted jobs): survivors stay in process, the spare takes the dead rank and
+  hydrates from a peer, the interrupted step is replayed. Every rank's losses and final state are
+  compared bit for bit with the reference.
 - ``torchrun_dcp``: ``torchrun --max-restarts 1`` over plain DDP + DCP checkpoints
   (:mod:`hp.chaos.baselines.torchrun_dcp`): every rank restarts, re-imports torch, reloads the newest
   checkpoint and recomputes the steps since it.
-- ``torchft``: where it is installed (``hp-chaos[torchft]``), :mod:`hp.chaos.baselines.torchft_bench`:
-  4 replica groups of 1 process under a Lighthouse; survivors go on at world 3 while the killed
-  group is restarted by its torchrun and heals from a live peer.
+- ``torchft`` (``hp-chaos[torchft]``): one replica group per rank under a Lighthouse; survivors go on
+  at a smaller world while the killed group restarts and heals from a live peer.
+- ``nvrx_default`` / ``nvrx_tuned`` (``hp-chaos[nvrx]``, :mod:`hp.chaos.baselines.nvrx_bench`):
+  nvidia-resiliency-ext's in-process restart with an idle rank promoted, hydrated by broadcast, at
+  NVRx's default and at short monitor intervals.
 
-The fault is the same instant in all: rank 1 dies right after committing step F (in hp: at the
-start of step F+1, phase ``forward``). **to_next_step_s** = fault → step F+1 committed by rank 0
-(replica group 0, a survivor, for torchft), recomputed steps included. **downtime_s** =
-``to_next_step_s`` minus the variant's median fault-free step time, taken from the faulted job's
-steps before the fault (:func:`median_step` says why not from the reference job): the time lost to
-the fault, since step F+1 itself is new work that had to be done anyway. **recovery_s** = fault →
-every rank back in the step loop with restored state (without the replayed work). torchft's
-survivors never stop, so its ``downtime_s`` is what the survivors lose; when the restarted group is
-back is ``rejoin_s``, and its run is not bit-identical to a fault-free one (fewer groups, fewer
-batches for a while), which the result says.
+Definition (version :data:`DEFINITION_VERSION`): rank ``fault_rank`` dies right after committing
+step F (hp: at the start of step F+1's forward), early enough that at least
+:data:`MIN_STEPS_AFTER` steps follow. **to_next_step_s** = fault -> every rank has committed step F+1
+(the step it was working on; recomputed steps count). **downtime_s** = that minus the variant's
+median fault-free step time (taken from the faulted job's steps before the fault: on a shared
+machine a reference job minutes earlier can run 50 % slower or faster): the time lost, since step
+F+1 itself is new work. **recovery_s** = fault -> every rank back in the loop with restored state
+(without the replayed work), split into phases. torchft's survivors never stop: its
+``to_next_step_s`` is theirs, and ``all_ranks_back_s`` says when the restarted group committed again.
+
+Fairness: every rank has a core of its own (``--nproc 2`` on 2 cores by default, each rank pinned
+with :func:`hp.core.benchmeta.pin_to_core`, one intra-op thread): ranks that share cores finish a
+step faster while another idles (a rank streaming state to a replacement, say), which no one with an
+accelerator per rank would see. Each variant is faulted ``repeats`` times (>= 3), the variants
+interleaved so that drift in the machine's load hits all; figures are medians with min and max.
 """
 
 from __future__ import annotations
@@ -45,12 +54,18 @@ from hp.checkpointless.demo.run import (
     DemoConfig,
     RunResult,
     compare,
+    compare_state,
     job_command,
     recovery_timeline,
-    step_time,
 )
 from hp.checkpointless.events import read_events
+from hp.core.benchmeta import PIN_ENV, BenchRun, spread
 from hp.core.protocol import Event
+
+DEFINITION_VERSION = 2
+MIN_STEPS_AFTER = 5  # steps from the fault on (F+1 included): bit-equality covers them all
+MIN_REPEATS = 3
+VARIANTS = ("hp", "torchrun_dcp", "torchft", "nvrx_default", "nvrx_tuned")
 
 
 @dataclass
@@ -58,23 +73,27 @@ class BenchConfig:
     model_size: str = "25m"
     vocab: int | None = None  # None: 8192 for 25m (INFRA's ~25 M-param model), else 256 (bytes)
     seq: int = 64
-    nproc: int = 4
+    nproc: int = 2  # one rank per core on a 2-core box
     steps: int = 14
-    fault_step: int = 12  # rank 1 dies right after committing this step
-    ckpt_every: int = 10
+    fault_step: int = 6  # rank 1 dies right after committing this step
+    ckpt_every: int = 4
     fault_rank: int = 1
     corpus_mb: int = 16
     seed: int = 0
+    repeats: int = MIN_REPEATS
+    pin: bool = True  # HP_PIN_CORES=1 for every variant's ranks
+    variants: tuple[str, ...] = VARIANTS
     log_dir: str | None = None
     timeout_s: float = 900.0  # per job: a hang guard, not a measurement
     torchft_heartbeat_timeout_ms: int = torchft_bench.HEARTBEAT_TIMEOUT_MS  # torchft's default
+    hang_timeout_s: float = 60.0  # hp's hang detector: a kill is seen by the collective, not by it
 
     @property
     def vocab_size(self) -> int:
         return self.vocab if self.vocab is not None else (8192 if self.model_size == "25m" else 256)
 
     def train_args(self) -> list[str]:
-        """Arguments both training scripts take: the same model shape and the same token cache."""
+        """Arguments every training script takes: the same model shape and the same token cache."""
         return ["--vocab", str(self.vocab_size), "--seq", str(self.seq)]
 
 
@@ -108,20 +127,29 @@ def _run(cmd: list[str], env: dict[str, str], timeout_s: float, log_path: str) -
         return rc, time.monotonic() - start, log.read()
 
 
-def lost_time(to_next_step_s: float, step_time_s: float | None) -> float | None:
-    """Downtime as the issue defines it: fault -> back at the step reached, minus the one step of new
-    work that had to be done anyway (the variant's own median fault-free step time)."""
-    return None if step_time_s is None else to_next_step_s - step_time_s
+def lost_time(to_next_step_s: float | None, step_time_s: float | None) -> float | None:
+    """Downtime: fault -> every rank back at the step reached, minus the one step of new work that had
+    to be done anyway (the variant's own median fault-free step time)."""
+    return None if step_time_s is None or to_next_step_s is None else to_next_step_s - step_time_s
 
 
 def median_step(commit_times: list[float]) -> float | None:
-    """Median interval between consecutive commits (None with fewer than two).
-
-    Every variant takes it from its *faulted* job's steps before the fault: fault-free steps run
-    under the same load as the fault. A reference job ran minutes earlier, and on a shared 2-core
-    box its steps can be 50 % slower or faster, which would swamp a sub-second downtime."""
+    """Median interval between consecutive commits (None with fewer than two)."""
     times = sorted(commit_times)
     return statistics.median(b - a for a, b in pairwise(times)) if len(times) > 1 else None
+
+
+def every_rank_back(events: list[dict], t0: float, step: int, ranks: range, **match: Any) -> float | None:
+    """Seconds from ``t0`` until every rank in ``ranks`` committed ``step`` (or a later one) after it:
+    whoever holds a rank by then (a promoted spare, a restarted process). None if one never did."""
+    firsts = []
+    for r in ranks:
+        hit = min((e["t"] for e in events if e["event"] == Event.COMMIT and e.get("rank") == r and e["t"] > t0
+                   and e["step"] >= step and all(e.get(k) == v for k, v in match.items())), default=None)
+        if hit is None:
+            return None
+        firsts.append(hit)
+    return max(firsts) - t0
 
 
 def _phases(marks: dict[str, float | None]) -> dict[str, float]:
@@ -135,43 +163,59 @@ def _phases(marks: dict[str, float | None]) -> dict[str, float]:
 
 
 # ---------------------------------------------------------------- hp: in-process, one hot spare
-def _hp_job(demo: DemoConfig, cfg: BenchConfig, log_dir: str, faults: list[dict]) -> RunResult:
+def _demo(cfg: BenchConfig) -> DemoConfig:
+    return DemoConfig(fault="kill", phase="forward", steps=cfg.steps, fault_step=cfg.fault_step + 1,
+                      fault_rank=cfg.fault_rank, nproc=cfg.nproc, spares=1, model_size=cfg.model_size,
+                      hang_timeout_s=cfg.hang_timeout_s, corpus_mb=cfg.corpus_mb, seed=cfg.seed,
+                      train_args=cfg.train_args())
+
+
+def _hp_job(cfg: BenchConfig, log_dir: str, faults: list[dict]) -> RunResult:
     """The demo's job under this bench's runner (a timeout that kills the whole process group)."""
     env = {**os.environ, "HP_FAULTS": json.dumps(faults)}
-    rc, wall, out = _run(job_command(demo, log_dir), env, cfg.timeout_s,
-                         os.path.join(log_dir, "output.log"))
+    rc, wall, out = _run(job_command(_demo(cfg), log_dir), env, cfg.timeout_s, os.path.join(log_dir, "output.log"))
     return RunResult(rc, wall, read_events(os.path.join(log_dir, "events")), out)
 
 
-def run_hp(cfg: BenchConfig, root: str) -> dict[str, Any]:
-    demo = DemoConfig(fault="kill", phase="forward", steps=cfg.steps, fault_step=cfg.fault_step + 1,
-                      fault_rank=cfg.fault_rank, nproc=cfg.nproc, spares=1, model_size=cfg.model_size,
-                      hang_timeout_s=60.0, corpus_mb=cfg.corpus_mb, seed=cfg.seed, train_args=cfg.train_args())
-    fault = {"at_step": cfg.fault_step + 1, "phase": "forward", "kind": "kill", "rank": cfg.fault_rank}
+def hp_reference(cfg: BenchConfig, root: str) -> RunResult:
     _log("hp: fault-free reference")
-    reference = _hp_job(demo, cfg, os.path.join(root, "hp-reference"), [])
-    _log("hp: faulted job (1 hot spare)")
-    faulted = _hp_job(demo, cfg, os.path.join(root, "hp-faulted"), [fault])
-    out: dict[str, Any] = {"completed": reference.returncode == 0 and faulted.returncode == 0,
-                           "reference_step_time_s": step_time(reference),
-                           "wall_s": {"reference": reference.wall_s, "faulted": faulted.wall_s}}
-    if not out["completed"]:
-        return {**out, "error_tail": (faulted.output if faulted.returncode else reference.output)[-2000:]}
-    t0 = next(e["t"] for e in faulted.events if e["event"] == Event.FAULT_INJECTED)
-    back = next(e["t"] for e in faulted.events if e["event"] == Event.COMMIT and e.get("rank") == 0
-                and e["t"] > t0 and e["step"] >= cfg.fault_step + 1)
+    return _hp_job(cfg, os.path.join(root, "hp-reference"), [])
+
+
+def analyse_hp(reference: RunResult, faulted: RunResult, cfg: BenchConfig) -> dict[str, Any]:
+    """One faulted hp run against the reference: the figures of the module docstring, and every rank's
+    losses (each step from whichever ranks committed it) and final state bit for bit."""
+    t0 = next((e["t"] for e in faulted.events if e["event"] == Event.FAULT_INJECTED), None)
+    if t0 is None:
+        return {"error": "no fault was injected"}
     before = median_step([e["t"] for e in faulted.events if e["event"] == Event.COMMIT and e.get("rank") == 0
                           and e["t"] < t0])
-    out["step_time_s"] = before or out["reference_step_time_s"]
+    to_next = every_rank_back(faulted.events, t0, cfg.fault_step + 1, range(cfg.nproc))
     phases = recovery_timeline(faulted.events)[0]["phases"]
-    recovered = [v for k, v in phases.items() if k != "replay"]
-    return {**out, "downtime_s": lost_time(back - t0, out["step_time_s"]), "to_next_step_s": back - t0,
-            "recovery_s": sum(recovered) if "hydrate" in phases else None,
-            "phases": phases, **compare(reference, faulted)}
+    state = compare_state(reference, faulted, cfg.nproc)
+    losses = compare(reference, faulted)
+    return {"step_time_s": before, "to_next_step_s": to_next, "downtime_s": lost_time(to_next, before),
+            "recovery_s": sum(v for k, v in phases.items() if k != "replay") if "hydrate" in phases else None,
+            "phases": phases, **losses, "losses_equal": losses["bitwise_equal"],
+            "bitwise_equal": losses["bitwise_equal"] and state["state_equal"],
+            "state_differences": state["state_differences"]}
+
+
+def run_hp(cfg: BenchConfig, root: str, reference: RunResult, i: int) -> dict[str, Any]:
+    fault = {"at_step": cfg.fault_step + 1, "phase": "forward", "kind": "kill", "rank": cfg.fault_rank}
+    _log(f"hp: faulted job {i + 1}/{cfg.repeats} (1 hot spare)")
+    faulted = _hp_job(cfg, os.path.join(root, f"hp-faulted-{i}"), [fault])
+    out: dict[str, Any] = {"completed": reference.returncode == 0 and faulted.returncode == 0,
+                           "wall_s": faulted.wall_s}
+    if out["completed"]:
+        out.update(analyse_hp(reference, faulted, cfg))
+    if not out["completed"] or "error" in out or out.get("to_next_step_s") is None:
+        out.update(completed=False, error_tail=(faulted.output if faulted.returncode else reference.output)[-2000:])
+    return out
 
 
 # ---------------------------------------------------------------- torchrun + DCP: restart everything
-def analyse_torchrun(events: list[dict], fault_step: int) -> dict[str, Any]:
+def analyse_torchrun(events: list[dict], fault_step: int, nproc: int) -> dict[str, Any]:
     """Downtime, where it went, and the recomputed steps, from the baseline's per-rank event logs."""
     fault = next((e for e in events if e["event"] == Event.FAULT_INJECTED), None)
     if fault is None:
@@ -188,8 +232,10 @@ def analyse_torchrun(events: list[dict], fault_step: int) -> dict[str, Any]:
         return max(hits) - t0 if hits else None
 
     before, again = commits(0), commits(1)
-    if fault_step + 1 not in again:
-        return {"error": f"step {fault_step + 1} was never committed after the restart"}
+    back = every_rank_back(events, t0, fault_step + 1, range(nproc), attempt=1)
+    if back is None:
+        return {"error": f"step {fault_step + 1} was never committed by every rank after the restart"}
+    recomputed_until = every_rank_back(events, t0, fault_step, range(nproc), attempt=1)
     starts = [e["at"] for e in after if e["event"] == Event.STARTED]
     marks = {
         "detect_teardown": min(starts) - t0 if starts else None,  # the first new process exists
@@ -199,16 +245,16 @@ def analyse_torchrun(events: list[dict], fault_step: int) -> dict[str, Any]:
         "model_build": last(Event.MODEL_READY),
         "dcp_load": last(Event.RESTORED),
         # nothing to recompute (checkpointed at the fault step): a zero-length phase, not a missing one
-        "recompute": again[fault_step]["t"] - t0 if fault_step in again else last(Event.RESTORED),
-        "interrupted_step": again[fault_step + 1]["t"] - t0,
+        "recompute": recomputed_until if fault_step in again else last(Event.RESTORED),
+        "interrupted_step": back,
     }
     recomputed = sorted(s for s in again if s in before)
     step_time = median_step([e["t"] for e in before.values()])
     saves = [e["duration_s"] for e in events if e["event"] == Event.CHECKPOINT_SAVED and e["rank"] == 0]
     restored = next((e["step"] for e in after if e["event"] == Event.RESTORED and e["rank"] == 0), None)
     return {
-        "downtime_s": lost_time(marks["interrupted_step"], step_time), "to_next_step_s": marks["interrupted_step"],
-        "recovery_s": marks["dcp_load"], "breakdown": _phases(marks),
+        "downtime_s": lost_time(back, step_time), "to_next_step_s": back,
+        "recovery_s": marks["dcp_load"], "phases": _phases(marks),
         "recomputed_steps": len(recomputed), "restored_step": restored,
         "recompute_bitwise_equal": all(again[s]["loss"] == before[s]["loss"] for s in recomputed),
         "step_time_s": step_time,  # attempt 0 before the fault: fault-free steps of this variant
@@ -216,8 +262,8 @@ def analyse_torchrun(events: list[dict], fault_step: int) -> dict[str, Any]:
     }
 
 
-def run_torchrun(cfg: BenchConfig, root: str) -> dict[str, Any]:
-    log_dir = os.path.join(root, "torchrun-dcp")
+def run_torchrun(cfg: BenchConfig, root: str, i: int) -> dict[str, Any]:
+    log_dir = os.path.join(root, f"torchrun-dcp-{i}")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(cfg.nproc),
            "--max-restarts", "1", "--monitor-interval", "0.1",
            "--master-addr", "127.0.0.1", "--master-port", str(_free_port()),
@@ -225,10 +271,10 @@ def run_torchrun(cfg: BenchConfig, root: str) -> dict[str, Any]:
            "--fault-rank", str(cfg.fault_rank), "--ckpt-every", str(cfg.ckpt_every), "--log-dir", log_dir,
            "--model-size", cfg.model_size, "--corpus-mb", str(cfg.corpus_mb), "--seed", str(cfg.seed),
            *cfg.train_args()]
-    _log("torchrun + DCP: faulted job")
+    _log(f"torchrun + DCP: faulted job {i + 1}/{cfg.repeats}")
     rc, wall, out = _run(cmd, dict(os.environ), cfg.timeout_s, os.path.join(log_dir, "output.log"))
-    result = {"completed": rc == 0, "ckpt_every": cfg.ckpt_every, "wall_s": wall,
-              **analyse_torchrun(read_events(os.path.join(log_dir, "events")), cfg.fault_step)}
+    result = {"completed": rc == 0, "wall_s": wall,
+              **analyse_torchrun(read_events(os.path.join(log_dir, "events")), cfg.fault_step, cfg.nproc)}
     if rc != 0 or "error" in result:
         result.update(completed=False, error_tail=out[-2000:])
     return result
@@ -242,95 +288,94 @@ def _params(cfg: BenchConfig) -> int:
 
 
 def _warm_cache(cfg: BenchConfig) -> None:
-    """Build the token cache before any job: neither variant should pay preprocessing in its timings."""
+    """Build the token cache before any job: no variant should pay preprocessing in its timings."""
     from hp.checkpointless.data import TokenCache, synthetic_corpus, tokenize
 
     key = torchrun_dcp.corpus_key(cfg.corpus_mb, cfg.vocab_size, cfg.seed)
     TokenCache.open(key, lambda: tokenize(synthetic_corpus(cfg.corpus_mb << 20, cfg.seed), cfg.vocab_size)).close()
 
 
+def _nvrx_skipped() -> str | None:
+    try:
+        from hp.chaos.baselines import nvrx_bench
+    except ImportError as e:
+        return f"the NVRx variant does not import: {e}"
+    return nvrx_bench.available()
+
+
+_FIGURES = ("downtime_s", "to_next_step_s", "recovery_s", "step_time_s", "all_ranks_back_s", "rejoin_s")
+
+
+def aggregate(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One variant's faulted runs: each figure's spread (median, min, max, n), each phase's, and the
+    verdicts that must hold in every run."""
+    out: dict[str, Any] = {"completed": bool(runs) and all(r.get("completed") for r in runs), "runs": runs}
+    for key in _FIGURES:
+        if any(key in r for r in runs):
+            out[key] = spread(r.get(key) for r in runs)
+    names = list(dict.fromkeys(k for r in runs for k in r.get("phases", {})))
+    if names:
+        out["phases"] = {k: spread(r["phases"].get(k) for r in runs if "phases" in r) for k in names}
+    for key in ("bitwise_equal", "losses_equal", "recompute_bitwise_equal", "equal_before_fault"):
+        if any(key in r for r in runs):
+            out[key] = all(r.get(key) is True for r in runs)
+    for key in ("lost_steps", "recomputed_steps", "dropped_batches"):
+        if any(key in r for r in runs):
+            out[key] = max(r.get(key) or 0 for r in runs)
+    return out
+
+
+def _ratio(other: dict[str, Any], hp: dict[str, Any], key: str = "downtime_s") -> float | None:
+    a, b = (other.get(key) or {}).get("median"), (hp.get(key) or {}).get("median")
+    return a / b if a and b and a > 0 and b > 0 else None
+
+
 def run_bench(cfg: BenchConfig) -> dict[str, Any]:
+    run = BenchRun("recovery", DEFINITION_VERSION)
     root = cfg.log_dir or tempfile.mkdtemp(prefix="hp_bench_recovery_")
     os.makedirs(root, exist_ok=True)
-    start = time.monotonic()
+    if cfg.pin:
+        os.environ[PIN_ENV] = "1"  # every variant's ranks inherit it
     _warm_cache(cfg)
-    hp, base = run_hp(cfg, root), run_torchrun(cfg, root)
-    ft = torchft_bench.run_torchft(cfg, root, _log)
+    skipped: dict[str, str] = {}
+    if "torchft" in cfg.variants and (why := torchft_bench.available()) is not None:
+        skipped["torchft"] = why
+    if any(v.startswith("nvrx") for v in cfg.variants) and (why := _nvrx_skipped()) is not None:
+        skipped.update({v: why for v in cfg.variants if v.startswith("nvrx")})
+    active = [v for v in cfg.variants if v not in skipped]
+    reference = hp_reference(cfg, root) if "hp" in active else None
+    ft_reference = torchft_bench.reference(cfg, root, _log) if "torchft" in active else None
+    runs: dict[str, list[dict]] = {v: [] for v in active}
+    for i in range(cfg.repeats):  # interleaved: drift in the machine's load hits every variant alike
+        for v in active:
+            if v == "hp":
+                runs[v].append(run_hp(cfg, root, reference, i))
+            elif v == "torchrun_dcp":
+                runs[v].append(run_torchrun(cfg, root, i))
+            elif v == "torchft":
+                runs[v].append(torchft_bench.faulted(cfg, root, ft_reference, i, _log))
+            else:
+                from hp.chaos.baselines import nvrx_bench
 
-    def ratio(other: dict[str, Any], key: str) -> float | None:
-        a, b = other.get(key), hp.get(key)
-        return a / b if a and b and a > 0 and b > 0 else None
-
-    return {
+                monitor = v.removeprefix("nvrx_")
+                _log(f"NVRx in-process restart ({monitor} monitor intervals): faulted job {i + 1}/{cfg.repeats}")
+                runs[v].append(nvrx_bench.run_nvrx(cfg, os.path.join(root, f"{v}-{i}"), _log, monitor))
+    variants: dict[str, Any] = {v: aggregate(r) for v, r in runs.items()}
+    variants.update({v: {"skipped": why} for v, why in skipped.items()})
+    hp = variants.get("hp", {})
+    cores = len(os.sched_getaffinity(0))
+    return run.stamp({
+        "definition": "downtime_s = fault -> every rank committed step F+1 (to_next_step_s), minus the variant's "
+                      "median step time before the fault in the same job; recovery_s = fault -> every rank back "
+                      "in the loop with restored state; medians with min-max over `repeats` faults per variant",
         "model_size": cfg.model_size, "params": _params(cfg), "vocab": cfg.vocab_size, "seq": cfg.seq,
-        "world_size": cfg.nproc, "steps": cfg.steps,
-        "fault": {"kind": "kill", "rank": cfg.fault_rank, "after_step": cfg.fault_step},
-        "step_time_s": {"hp": hp.get("step_time_s"), "torchrun_dcp": base.get("step_time_s"),
-                        "torchft": ft.get("step_time_s")},
-        "downtime_definition": "fault -> step F+1 committed by rank 0, minus the variant's median step time "
-                               "before the fault in the faulted job (to_next_step_s: before the subtraction)",
-        "hp": hp, "torchrun_dcp": base, "torchft": ft,
-        "ratio_downtime_baseline_over_hp": ratio(base, "downtime_s"),
-        "ratio_recovery_baseline_over_hp": ratio(base, "recovery_s"),
-        "ratio_downtime_torchft_over_hp": ratio(ft, "downtime_s"),
-        # a skipped torchft is not a failure (it is an optional extra); a torchft run that broke is
-        "completed": bool(hp["completed"] and base["completed"] and ft.get("completed", "skipped" in ft)),
-        "config": asdict(cfg), "log_dir": root, "wall_s": time.monotonic() - start,
-    }
-
-
-def _s(value: float | None) -> str:
-    return "-" if value is None else f"{value:.3f} s"
-
-
-def _ratio(value: float | None) -> str:
-    return "-" if value is None else f"{value:.1f}x"
-
-
-def format_table(r: dict[str, Any]) -> str:
-    hp, base, ft, f = r["hp"], r["torchrun_dcp"], r["torchft"], r["fault"]
-    head = (f"recovery bench: model {r['model_size']} ({r['params'] / 1e6:.1f} M params, vocab {r['vocab']}), "
-            f"{r['world_size']} ranks, {r['steps']} steps, SIGKILL of rank {f['rank']} after step {f['after_step']}")
-    skipped = "skipped" in ft
-
-    def done(v: dict[str, Any]) -> str:
-        return "skipped" if "skipped" in v else "yes" if v.get("completed") else "NO"
-
-    def same(v: dict[str, Any], key: str, note: str) -> str:
-        return "-" if key not in v else f"{v[key]} ({note})"
-
-    rows = [
-        ("", "hp (1 hot spare)", f"torchrun + DCP (ckpt every {base['ckpt_every']})", "torchft (heal from a peer)"),
-        ("completed", done(hp), done(base), done(ft)),
-        ("step time (median before fault)", _s(hp.get("step_time_s")), _s(base.get("step_time_s")),
-         _s(ft.get("step_time_s"))),
-        (f"fault -> step {f['after_step'] + 1} done", _s(hp.get("to_next_step_s")), _s(base.get("to_next_step_s")),
-         _s(ft.get("to_next_step_s"))),
-        ("downtime (that - step time)", _s(hp.get("downtime_s")), _s(base.get("downtime_s")), _s(ft.get("downtime_s"))),
-        ("recovery overhead / rejoin", _s(hp.get("recovery_s")), _s(base.get("recovery_s")), _s(ft.get("rejoin_s"))),
-        ("lost / recomputed / dropped", f"{hp.get('lost_steps', '-')} steps", f"{base.get('recomputed_steps', '-')} steps",
-         f"{ft.get('dropped_batches', '-')} batches"),
-        ("losses bit-identical", same(hp, "bitwise_equal", "vs reference"),
-         same(base, "recompute_bitwise_equal", "recomputed vs first run"), same(ft, "bitwise_equal", "vs reference")),
-    ]
-    if skipped:
-        rows = [row[:3] for row in rows]
-    cols = len(rows[0])
-    width = [max(len(row[i]) for row in rows) for i in range(cols)]
-    lines = [head, *("  ".join(c.ljust(w) for c, w in zip(row, width)).rstrip() for row in rows)]
-    for name, phases in (("hp phases", hp.get("phases", {})), ("torchrun phases", base.get("breakdown", {})),
-                         ("torchft rejoin phases", ft.get("rejoin_phases", {}))):
-        if phases:
-            lines.append(f"{name}: " + ", ".join(f"{k} {v:.3f} s" for k, v in phases.items()))
-    if skipped:
-        lines.append(f"torchft: skipped: {ft['skipped']}")
-    elif ft.get("how"):
-        lines.append(f"torchft: {ft['how']}; first divergent step {ft.get('first_divergent_step')}, survivors' "
-                     f"largest stall after the fault step {_s(ft.get('rejoin_stall_s'))}")
-    lines += [f"downtime ratio torchrun+DCP / hp: {_ratio(r['ratio_downtime_baseline_over_hp'])}, "
-              f"torchft / hp: {_ratio(r['ratio_downtime_torchft_over_hp'])}",
-              f"logs: {r['log_dir']}"]
-    for name, v in (("hp", hp), ("torchrun_dcp", base), ("torchft", ft)):
-        if v.get("error_tail"):
-            lines.append(f"\nlast output of the failed {name} job:\n{v['error_tail']}")
-    return "\n".join(lines)
+        "world_size": cfg.nproc, "steps": cfg.steps, "repeats": cfg.repeats,
+        "fault": {"kind": "kill", "rank": cfg.fault_rank, "after_step": cfg.fault_step,
+                  "steps_after": cfg.steps - cfg.fault_step - 1},
+        "pinned": cfg.pin, "one_rank_per_core": cfg.pin and cfg.nproc <= cores,
+        "variants": variants,
+        "ratios": {f"{v}_over_hp": _ratio(variants[v], hp) for v in variants if v != "hp" and "skipped" not in variants[v]},
+        # a skipped optional variant is not a failure (an extra not installed); a variant that broke is
+        "completed": all(v.get("completed", "skipped" in v) for v in variants.values()),
+        "config": asdict(cfg), "log_dir": root,
+    })

@@ -35,6 +35,7 @@ from hp.checkpointless.microbatch import micro_batch_seed
 from hp.checkpointless.sampler import StepLoader
 from hp.checkpointless.transaction import StepTransaction
 from hp.core.auth import TOKEN_ENV
+from hp.core.benchmeta import pin_to_core
 from hp.core.control_plane import ControlClient
 from hp.core.errors import UsageError
 from hp.core.plugins import get_backend
@@ -343,7 +344,9 @@ class Context:
     def _formed(self) -> None:
         """After every formation: state for another world size than the group's is the user's to adapt
         (``on_scale``), on every rank alike: a survivor's, a joiner's hydrated from a survivor, a job's
-        restored from a checkpoint taken at another size."""
+        restored from a checkpoint taken at another size. A rank pins itself to its core here when
+        ``HP_PIN_CORES=1`` (benchmarks: a promoted spare takes the dead rank's core)."""
+        pin_to_core(self.rank)
         st, new_world = self._training, self._link.world_size
         if st.world and st.world != new_world and self._on_scale is not None:
             self._on_scale(st.world, new_world)

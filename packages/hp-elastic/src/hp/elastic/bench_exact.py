@@ -33,10 +33,14 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from hp.core.benchmeta import PIN_ENV, BenchRun, pin_to_core
 from hp.core.errors import UsageError
 
 MODES = ("float", "exact")
 KINDS = ("step", "reduce", "slots", "step_cpu", "reduce_cpu")  # what a worker times per step
+
+
+DEFINITION_VERSION = 1  # per-step wall time of both modes, interleaved, the slowest rank's
 
 
 @dataclass
@@ -72,10 +76,11 @@ def _spread(values: list[float]) -> tuple[float, list[float]]:
 def run(cfg: ExactBenchConfig) -> dict[str, Any]:
     """Run the ranks, return the result (module docstring); raises RuntimeError when a rank fails."""
     cfg.check()
+    bench = BenchRun("exact", DEFINITION_VERSION)
     from hp.core.testing import free_port
 
     cores = sorted(os.sched_getaffinity(0))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", PIN_ENV: "1"}
     with tempfile.TemporaryDirectory(prefix="hp-bench-exact-") as tmp:
         port, out = free_port(), Path(tmp)
         procs = [subprocess.Popen([sys.executable, "-m", "hp.elastic.bench_exact", "--worker", str(rank), str(port),
@@ -110,13 +115,12 @@ def run(cfg: ExactBenchConfig) -> dict[str, Any]:
     result["reduce_ratio"] = round(result["exact_reduce_s"] / result["float_reduce_s"], 3)
     result["overhead_s"] = round(result["exact_step_s"] - result["float_step_s"], 6)
     result["cpu_ratio"] = round(result["exact_step_cpu_s"] / result["float_step_cpu_s"], 4)
-    return result
+    return bench.stamp(result)
 
 
 def _worker(rank: int, port: int, out: Path, cfg: ExactBenchConfig) -> None:
     """One rank: pin, train both modes interleaved, write the slowest rank's timings (rank 0)."""
-    cores = sorted(os.sched_getaffinity(0))
-    os.sched_setaffinity(0, {cores[rank % len(cores)]})
+    pin_to_core(rank)
     import torch
     import torch.distributed as dist
 

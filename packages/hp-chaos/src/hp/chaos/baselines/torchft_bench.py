@@ -13,7 +13,8 @@ it committed step F:
   lost: one step of new work would have been spent anyway); ``reference_step_time_s`` is the
   reference job's, for comparison;
 - ``rejoin_s``: fault -> the restarted group has received the state from a peer (back in the
-  quorum, healed); ``rejoin_phases`` splits it; ``rejoin_stall_s``: the longest step of group 0
+  quorum, healed; also its ``recovery_s``); ``phases`` splits it; ``all_ranks_back_s``: fault -> the
+  restarted group committed step F+1 or later; ``rejoin_stall_s``: the longest step of group 0
   after F+1 beyond the median, the pause the survivors take to let the new group in;
 - ``bitwise_equal`` against the reference over the first ``steps`` steps of group 0 (loss and the
   updated weights' sum): false by design (survivors train at world 3 on fewer batches until the
@@ -189,10 +190,12 @@ def analyse(reference: list[dict], faulted: list[dict], cfg: BenchConfig) -> dic
     diverged = [s for s in steps if s not in got or s not in ref or got[s]["loss"] != ref[s]["loss"]
                 or got[s].get("weights") != ref[s].get("weights")]
     restored = next((e["step"] for e in again if e["event"] == Event.RESTORED), None)
+    rejoined = min((e["t"] for e in again if e["event"] == Event.COMMIT and e["step"] >= f + 1), default=None)
     return {
         "downtime_s": back - step_time, "to_next_step_s": back, "step_time_s": step_time,
         "reference_step_time_s": ref_step_time,
-        "rejoin_s": marks["quorum_heal"], "rejoin_phases": phases, "restored_step": restored,
+        "rejoin_s": marks["quorum_heal"], "recovery_s": marks["quorum_heal"], "phases": phases, "restored_step": restored,
+        "all_ranks_back_s": None if rejoined is None else max(back, rejoined - t0),
         "rejoin_stall_s": max(0.0, *stalls) if stalls else None,
         "world_at_step_after_fault": got[f + 1].get("participants"),
         "failed_steps": sum(1 for e in faulted if e["event"] == Event.STEP_FAILED and e["rank"] == 0),
@@ -203,12 +206,8 @@ def analyse(reference: list[dict], faulted: list[dict], cfg: BenchConfig) -> dic
     }
 
 
-def run_torchft(cfg: BenchConfig, root: str, log: Any = print) -> dict[str, Any]:
-    """The torchft variant of the bench: ``{"skipped": why}`` where torchft cannot run."""
-    why = available()
-    if why is not None:
-        return {"skipped": why}
-    out: dict[str, Any] = {
+def _how(cfg: BenchConfig) -> dict[str, Any]:
+    return {
         "how": (f"{cfg.nproc} replica groups of 1 process, one torchrun --max-restarts 1 each, Lighthouse "
                 f"min_replicas {cfg.nproc - 1}: the survivors' next quorum waits until the Lighthouse stops "
                 f"counting the dead group (heartbeat timeout {cfg.torchft_heartbeat_timeout_ms} ms), then they go "
@@ -217,12 +216,22 @@ def run_torchft(cfg: BenchConfig, root: str, log: Any = print) -> dict[str, Any]
         "lighthouse": {"heartbeat_timeout_ms": cfg.torchft_heartbeat_timeout_ms, "join_timeout_ms": JOIN_TIMEOUT_MS,
                        "quorum_tick_ms": QUORUM_TICK_MS, "min_replicas": cfg.nproc - 1},
     }
+
+
+def reference(cfg: BenchConfig, root: str, log: Any = print) -> tuple[int, list[dict], str]:
+    """The fault-free job every faulted run is compared with: (worst exit code, events, output tail)."""
     log("torchft: fault-free reference")
-    rc_ref, wall_ref, reference, tail_ref = run_job(cfg, os.path.join(root, "torchft-reference"), -1)
-    log("torchft: faulted job (Lighthouse + one torchrun per replica group)")
-    rc, wall, faulted, tail = run_job(cfg, os.path.join(root, "torchft-faulted"), cfg.fault_step)
-    out.update(completed=not any(rc_ref) and not any(rc), wall_s={"reference": wall_ref, "faulted": wall})
-    out.update(analyse(reference, faulted, cfg))
+    codes, _wall, events, tail = run_job(cfg, os.path.join(root, "torchft-reference"), -1)
+    return max(codes), events, tail
+
+
+def faulted(cfg: BenchConfig, root: str, ref: tuple[int, list[dict], str], i: int, log: Any = print) -> dict[str, Any]:
+    """One faulted job (the ``i``-th) against the reference: the figures of the module docstring."""
+    rc_ref, ref_events, tail_ref = ref
+    log(f"torchft: faulted job {i + 1} (Lighthouse + one torchrun per replica group)")
+    codes, wall, events, tail = run_job(cfg, os.path.join(root, f"torchft-faulted-{i}"), cfg.fault_step)
+    out: dict[str, Any] = {**_how(cfg), "completed": rc_ref == 0 and not any(codes), "wall_s": wall}
+    out.update(analyse(ref_events, events, cfg))
     if not out["completed"] or "error" in out:
         out.update(completed=False, error_tail=(tail or tail_ref)[-3000:])
     return out

@@ -44,6 +44,7 @@ from datetime import timedelta
 from typing import Any
 
 from hp.chaos.baselines.torchrun_dcp import corpus_key, process_start_time
+from hp.core.benchmeta import pin_to_core
 from hp.core.protocol import Event
 
 MODULE = "hp.chaos.baselines.torchft_ddp"
@@ -109,6 +110,7 @@ def main(argv: list[str] | None = None) -> None:
         events.record(event, rank=replica, attempt=attempt, **fields)
 
     record(Event.STARTED, at=started)
+    pin_to_core(replica)  # HP_PIN_CORES=1 (hp bench recovery): one rank per core
     import torch
     import torch.nn.functional as F
     import torchft

@@ -27,6 +27,7 @@ import time
 from datetime import timedelta
 from typing import Any
 
+from hp.core.benchmeta import pin_to_core
 from hp.core.protocol import Event
 
 MODULE = "hp.chaos.baselines.torchrun_dcp"
@@ -91,6 +92,7 @@ def main(argv: list[str] | None = None) -> None:
         events.record(event, rank=rank, attempt=attempt, **fields)
 
     record(Event.STARTED, at=started)
+    pin_to_core(rank)  # HP_PIN_CORES=1 (hp bench recovery): one rank per core
     import torch
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp

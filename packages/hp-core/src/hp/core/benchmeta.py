@@ -1,0 +1,94 @@
+"""What every ``hp bench`` result carries, and how a benchmark keeps ranks from sharing cores.
+
+A figure means something only with its definition, its spread and the machine it ran on. Every
+benchmark wraps its run in :class:`BenchRun` and returns ``run.stamp(result)``: the result gains
+
+- ``definition_version`` (bumped whenever what a figure measures changes, so two results files are
+  compared only where the versions match),
+- ``machine`` (cores usable by this process, CPU model, memory, python and torch versions),
+- ``load_avg`` before and after (a run on a loaded machine says so), and ``bench_wall_s``.
+
+:func:`spread` is the one shape of a repeated measurement: median, min, max, n and the values.
+:func:`pin_to_core` is the one way a benchmark process takes a core of its own (``HP_PIN_CORES=1``):
+ranks that share cores finish faster while another idles, which no user with one accelerator per
+rank would see.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import statistics
+import sys
+import time
+from collections.abc import Iterable
+from importlib import metadata
+from typing import Any
+
+PIN_ENV = "HP_PIN_CORES"  # "1": a rank pins itself to core (rank mod usable cores)
+_USABLE = sorted(os.sched_getaffinity(0))  # before any pin: a renumbered rank re-pins within these
+
+
+def spread(values: Iterable[float | None]) -> dict[str, Any] | None:
+    """Median, min, max, n and the values themselves (None entries dropped; None when none is left)."""
+    xs = [float(v) for v in values if v is not None]
+    if not xs:
+        return None
+    return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "n": len(xs), "values": xs}
+
+
+def _cpu_model() -> str | None:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), None)
+    except OSError:
+        return None
+
+
+def _mem_gib() -> float | None:
+    try:
+        return round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1)
+    except (ValueError, OSError):
+        return None
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def machine() -> dict[str, Any]:
+    """The machine as this process sees it (usable cores are its affinity set, not the host's count)."""
+    return {"cores": len(os.sched_getaffinity(0)), "host_cpus": os.cpu_count(), "cpu_model": _cpu_model(),
+            "mem_gib": _mem_gib(), "platform": platform.platform(), "python": sys.version.split()[0],
+            "torch": _version("torch")}
+
+
+class BenchRun:
+    """Load average and wall time around one benchmark run; :meth:`stamp` adds them to its result."""
+
+    def __init__(self, name: str, definition_version: int) -> None:
+        self.name, self.definition_version = name, definition_version
+        self.load_before = os.getloadavg()
+        self.started = time.monotonic()
+
+    def stamp(self, result: dict[str, Any]) -> dict[str, Any]:
+        return {"benchmark": self.name, "definition_version": self.definition_version, **result,
+                "machine": machine(),
+                "load_avg": {"before": list(self.load_before), "after": list(os.getloadavg())},
+                "bench_wall_s": time.monotonic() - self.started}
+
+
+def pin_to_core(rank: int, env: dict[str, str] | None = None) -> int | None:
+    """Pin this process to one core, ``rank`` modulo the cores it may use, when ``HP_PIN_CORES=1``.
+
+    Returns the core, or None when pinning is off. Torch's intra-op pool follows the process's
+    affinity only for threads started later, so call it before the first torch op (or set
+    ``OMP_NUM_THREADS=1``, as every multi-rank launcher here does)."""
+    if (env if env is not None else os.environ).get(PIN_ENV) != "1":
+        return None
+    core = _USABLE[rank % len(_USABLE)]
+    os.sched_setaffinity(0, {core})
+    return core
