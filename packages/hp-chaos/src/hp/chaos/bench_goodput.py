@@ -1,28 +1,33 @@
 """``hp bench goodput``: how much of the wall time a job spends on useful steps while ranks keep dying.
 
 The job is ``hp demo``'s (:mod:`hp.checkpointless.demo.train`) under ``hp run --spares S
---replenish-spares``, with a step count no run reaches: it is stopped after the measured window.
+--replenish-spares``, one rank per core (``HP_PIN_CORES=1``), with a step count no run reaches: it is
+stopped after the measured window. Both runs are in the same invocation and last the same window of
+``duration_s`` seconds after their first commit (``import torch`` and the model build are outside it):
 
-1. **Baseline**, fault-free, in the same run: the job trains for ``baseline_s`` seconds after its
-   first commit; its mean step time is what a step costs without faults.
-2. **Faulted**: the same job trains for ``duration_s`` seconds after its first commit while a
-   random rank (seeded) is SIGKILLed every ``fault_every_s`` seconds. The victim is whichever
-   process holds that rank then: promoted spares die too, and each promotion is replaced by a new spare.
+1. **fault-free**: its median step time ``s`` is what a step costs without faults, and its committed
+   steps (it runs a little past the window) are the reference every faulted step is compared with.
+2. **faulted**: a random rank (seeded) is SIGKILLed every ``fault_every_s`` seconds. The victim is
+   whichever process holds that rank then: promoted spares die too, and each promotion is replaced.
 
-**goodput** = (distinct steps committed in the window x the fault-free step time) / window:
-downtime, replayed steps and steps slowed by a fault's aftermath all count against it. The fault-free
-step time is the median step of the faulted run's *quiet* stretches (after a fault's replacement spare
-reported ready, before the next fault): the same job under the same machine load, which on a shared
-machine can differ between two runs minutes apart. (A median over the whole run would hide the
-slowdown while replacements start; the separate baseline run's pace gives ``goodput_vs_baseline``.)
-Startup (``import torch``, model build) is outside both windows.
+**goodput** (definition version :data:`DEFINITION_VERSION`) = the steps the faulted run committed
+over the steps a fault-free run commits in the same wall time, where "a fault-free run" is the
+faulted run itself with each fault's aftermath replaced by steps at the fault-free pace ``s``:
+``1 - sum(cost_f) / duration_s``. A fault's aftermath lasts from the fault until the job committed
+again and its replacement spare was ready (cut at the next fault and at the window's end); its cost
+is the aftermath's wall time minus the new steps committed in it times ``s``, never below 0 (a fault
+does not give time back). Aftermaths do not overlap and lie in the window, so goodput is in [0, 1] by
+construction; recovery, replayed work and slower steps while a replacement starts all count against
+it, step-time jitter away from faults does not (on a shared machine it would swamp the faults).
+``steps_committed`` and ``steps_fault_free`` (the fault-free run's count in the same window) are
+reported beside it. One statistic throughout: medians (with min and max).
 
 Per fault: ``recovery_s`` (fault -> rank 0's first commit in a new generation), ``ready_s`` (fault ->
-its replacement spare reported ready), that spare's CPU seconds to get ready, and the time the fault
-cost: wall time from the fault to the later of those two minus the steps committed meanwhile at the
-quiet pace (``down_s`` before the first commit, ``slow_s`` after). Also reported: lost steps (committed
-twice) and bit-equality of every step both runs committed (same job, same schedule). A recovery still
-running when the window closes is waited for (it counts in the recovery times, not in goodput).
+its replacement spare reported ready), that spare's CPU seconds to get ready, and the time it cost
+(``down_s`` until the first commit, ``slow_s`` after it while the replacement started). Bit-equality
+covers every step the faulted run committed, after every fault, against the fault-free run: every
+rank's local loss and the global mean. A recovery still running when the window closes is waited for
+(it counts in the recovery times, not in goodput).
 """
 
 from __future__ import annotations
@@ -40,24 +45,27 @@ from dataclasses import asdict, dataclass
 from itertools import pairwise
 
 from hp.chaos.multinode import recovery_after
-from hp.checkpointless.demo.run import DemoConfig, job_command
+from hp.checkpointless.demo.run import DemoConfig, RunResult, differing_steps, job_command
 from hp.checkpointless.events import read_events
+from hp.core.benchmeta import PIN_ENV, BenchRun, spread
 from hp.core.protocol import Decision, Event
 
+DEFINITION_VERSION = 2
 NEVER = 10**7  # steps: the window ends the job, not the step count
+OVERRUN = 1.15  # the fault-free run trains this much longer than the window: every faulted step has a reference
 
 
 @dataclass
 class GoodputConfig:
     duration_s: float = 300.0
     fault_every_s: float = 30.0
-    baseline_s: float = 30.0
-    nproc: int = 4
+    nproc: int = 2  # one rank per core on a 2-core box (and the spare takes the dead rank's core)
     spares: int = 1
     model_size: str = "tiny"
     corpus_mb: int = 16
     seed: int = 0
     hang_timeout_s: float = 10.0
+    pin: bool = True
     log_dir: str | None = None
 
 
@@ -125,37 +133,39 @@ class _Job:
             return f.read()
 
 
-def _window(events: list[dict], start: float, end: float) -> dict[int, list[str]]:
-    steps: dict[int, list[str]] = {}
-    for e in _commits(events):
-        if start <= e["t"] <= end:
-            steps.setdefault(e["step"], []).append(e["loss"])
-    return steps
+def _new_commits(events: list[dict], start: float, end: float) -> list[float]:
+    """Times of rank 0's commits of *new* steps in [start, end] (a step committed again is not new)."""
+    seen, out = set(), []
+    for e in sorted(_commits(events), key=lambda e: e["t"]):
+        if e["step"] not in seen:
+            seen.add(e["step"])
+            if start <= e["t"] <= end:
+                out.append(e["t"])
+    return out
 
 
-def run_bench(cfg: GoodputConfig) -> dict:
-    root = cfg.log_dir or tempfile.mkdtemp(prefix="hp_bench_goodput_")
-    env = {"HP_DATA_CACHE_DIR": os.environ.get("HP_DATA_CACHE_DIR", os.path.join(root, "cache"))}
-    os.makedirs(env["HP_DATA_CACHE_DIR"], exist_ok=True)
-    rng = random.Random(cfg.seed)
+def goodput(costs: list[float], duration_s: float) -> float:
+    """``1 - sum(costs) / duration_s``: each cost is a fault's, >= 0, from aftermaths that do not
+    overlap and lie in the window (:func:`_charge`), so the result is in [0, 1]."""
+    return 1.0 - sum(costs) / duration_s
 
-    _log(f"baseline: fault-free for {cfg.baseline_s:g} s")
-    base = _Job(cfg, os.path.join(root, "baseline"), env)
+
+def _fault_free(cfg: GoodputConfig, root: str, env: dict[str, str]) -> tuple[_Job, float]:
+    _log(f"fault-free: {cfg.duration_s:g} s (+{OVERRUN - 1:.0%} so that every faulted step has a reference)")
+    job = _Job(cfg, os.path.join(root, "fault-free"), env)
     try:
-        t0 = base.first_commit(600)
-        time.sleep(max(0.0, t0 + cfg.baseline_s - time.time()))
-        still_running = base.stop() is None
+        t0 = job.first_commit(600)
+        time.sleep(max(0.0, t0 + cfg.duration_s * OVERRUN - time.time()))
+        if job.stop() is not None:
+            raise RuntimeError(f"the fault-free job ended early (exit {job.proc.returncode}):\n{job.output()[-2000:]}")
     finally:
-        base.stop()
-    base_steps = _window(base.events(), t0, t0 + cfg.baseline_s)
-    times = [e["t"] for e in _commits(base.events()) if t0 <= e["t"] <= t0 + cfg.baseline_s]
-    intervals = [b - a for a, b in pairwise(times)][2:]  # the first steps warm caches up
-    if not still_running or len(intervals) < 3:
-        raise RuntimeError(f"baseline ran {len(times)} steps in {cfg.baseline_s:g} s (exit {base.proc.poll()}): "
-                           f"lengthen --baseline\n{base.output()[-2000:]}")
-    step_s = statistics.fmean(intervals)
+        job.stop()
+    return job, t0
 
+
+def _faulted(cfg: GoodputConfig, root: str, env: dict[str, str]) -> tuple[_Job, float, list[dict], bool]:
     _log(f"faulted: {cfg.duration_s:g} s, SIGKILL of a random rank every {cfg.fault_every_s:g} s")
+    rng = random.Random(cfg.seed)
     job = _Job(cfg, os.path.join(root, "faulted"), env)
     faults: list[dict] = []
     try:
@@ -185,41 +195,62 @@ def run_bench(cfg: GoodputConfig) -> dict:
         completed = job.stop() is None
     finally:
         job.stop()
-    events = job.events()
-    steps = _window(events, t0, end)
+    return job, t0, faults, completed
+
+
+def run_bench(cfg: GoodputConfig) -> dict:
+    run = BenchRun("goodput", DEFINITION_VERSION)
+    root = cfg.log_dir or tempfile.mkdtemp(prefix="hp_bench_goodput_")
+    env = {"HP_DATA_CACHE_DIR": os.environ.get("HP_DATA_CACHE_DIR", os.path.join(root, "cache")),
+           **({PIN_ENV: "1"} if cfg.pin else {})}
+    os.makedirs(env["HP_DATA_CACHE_DIR"], exist_ok=True)
+
+    free, f0 = _fault_free(cfg, root, env)
+    free_events = free.events()
+    free_commits = _new_commits(free_events, f0, f0 + cfg.duration_s)
+    intervals = [b - a for a, b in pairwise(free_commits)][2:]  # the first steps warm caches up
+    if len(intervals) < 3:
+        raise RuntimeError(f"the fault-free job committed {len(free_commits)} steps in {cfg.duration_s:g} s: "
+                           f"lengthen --duration\n{free.output()[-2000:]}")
+    step_s = statistics.median(intervals)
+
+    job, t0, faults, completed = _faulted(cfg, root, env)
+    events, end = job.events(), t0 + cfg.duration_s
+    commits = _new_commits(events, t0, end)
     recoveries = [recovery_after(events, f["t"]) for f in faults]
     recovered = [r["recovery_s"] for r in recoveries if r["recovery_s"] is not None]
     decisions = _decisions(job.log_dir)
-    shared = set(steps) & set(base_steps)
-    commits = [e["t"] for e in _commits(events) if t0 <= e["t"] <= end]
-    own = [b - a for a, b in pairwise(commits)]
     per_fault = _aftermath(events, decisions, faults, recoveries, end)
-    quiet = [b - a for a, b in pairwise(commits) if not any(f["t"] <= b and a <= f["until"] for f in per_fault)]
-    ref_s = statistics.median(quiet) if len(quiet) >= 3 else float("nan")
     for f in per_fault:
-        _charge(f, commits, ref_s)
+        _charge(f, commits, step_s)
+    # bit-equality: every step the faulted run committed (in the window or after it), every rank's
+    # local loss and the global mean, against the fault-free run
+    faulted_run, free_run = RunResult(0, 0.0, events, ""), RunResult(0, 0.0, free_events, "")
+    steps = faulted_run.losses()
+    unmatched = [s for s in steps if s not in free_run.losses()]
+    differing = [s for s in differing_steps(free_run, faulted_run) if s in steps]
+    last_fault_step = max((e["step"] for e in _commits(events) if faults and e["t"] < faults[-1]["t"]), default=-1)
     result = {
-        "goodput": len(steps) * ref_s / cfg.duration_s,
-        "goodput_vs_baseline": len(steps) * step_s / cfg.duration_s,
-        "quiet_step_s": ref_s,
-        "quiet_steps": len(quiet),
-        "faulted_median_step_s": statistics.median(own) if own else float("nan"),
-        "lost_s": cfg.duration_s - len(steps) * ref_s,
+        "goodput": goodput([f["cost_s"] for f in per_fault], cfg.duration_s),
+        "definition": "1 - sum over faults of max(0, aftermath wall time - new steps in it x fault-free median "
+                      "step) / window",
+        "fault_free_step_s": spread(intervals),
+        "steps_committed": len(commits),
+        "steps_fault_free": len(free_commits),
+        "lost_s": sum(f["cost_s"] for f in per_fault),
         "lost_to_faults_s": {k: sum(f[k] for f in per_fault) for k in ("down_s", "slow_s")},
         "per_fault": per_fault,
         "duration_s": cfg.duration_s,
         "fault_every_s": cfg.fault_every_s,
         "faults": len(faults),
         "recoveries": len(recovered),
-        "recovery_s": {"median": statistics.median(recovered), "max": max(recovered)} if recovered else None,
+        "recovery_s": spread(recovered),
+        "ready_s": spread(f["ready_s"] for f in per_fault),
         "lost_steps": sum(len(v) - 1 for v in steps.values()),
-        "steps_committed": len(steps),
-        "steps_at_baseline_rate": cfg.duration_s / step_s,
-        "baseline": {"step_time_s": step_s, "steps_per_s": 1 / step_s, "window_s": cfg.baseline_s,
-                     "steps": len(base_steps)},
-        "faulted_steps_per_s": len(steps) / cfg.duration_s,
-        "bitwise_equal_steps": len(shared),
-        "bitwise_equal": all(set(steps[s]) == set(base_steps[s]) for s in shared),
+        "bitwise_equal_steps": len(steps) - len(unmatched),
+        "steps_after_last_fault": sum(s > last_fault_step for s in steps) if faults else 0,
+        "unmatched_steps": len(unmatched),
+        "bitwise_equal": not differing and not unmatched,
         "promotions": sum(d["decision"] == Decision.PROMOTE_SPARE for d in decisions),
         "spares_added": sum(d["decision"] == Decision.SPARE_ADDED for d in decisions),
         "restarts": sum(d["decision"] == Decision.RESTART_WORKER for d in decisions),
@@ -229,7 +260,7 @@ def run_bench(cfg: GoodputConfig) -> dict:
     }
     if not result["completed"]:
         result["error_tail"] = job.output()[-2000:]
-    return result
+    return run.stamp(result)
 
 
 def _decisions(log_dir: str) -> list[dict]:
@@ -263,45 +294,44 @@ def _aftermath(events: list[dict], decisions: list[dict], faults: list[dict], re
     return out
 
 
-def _charge(f: dict, commits: list[float], ref_s: float) -> None:
-    """Time one fault cost: its aftermath's wall time minus the steps committed in it at the quiet
-    pace, split at the first commit after it (``down_s``: recovery; ``slow_s``: the job ran slower)."""
+def _charge(f: dict, commits: list[float], step_s: float) -> None:
+    """Time one fault cost: its aftermath's wall time minus the new steps committed in it at the
+    fault-free pace (``cost_s``, never below 0), split at the first commit after it (``down_s``:
+    recovery; ``slow_s``: the job ran slower until the replacement was ready)."""
     t, until = f.pop("t"), f.pop("until")
     first = min(t + (f["recovery_s"] or 0.0), until)
-    f["down_s"] = (first - t) - sum(t < c <= first for c in commits) * ref_s
-    f["slow_s"] = (until - first) - sum(first < c <= until for c in commits) * ref_s
+    f["down_s"] = (first - t) - sum(t < c <= first for c in commits) * step_s
+    f["slow_s"] = (until - first) - sum(first < c <= until for c in commits) * step_s
+    f["cost_s"] = max(0.0, f["down_s"] + f["slow_s"])
 
 
-def _median(xs: list[float]) -> float:
-    return statistics.median(xs) if xs else float("nan")
+def _s(x: dict | None, scale: float = 1.0, unit: str = "s") -> str:
+    return "-" if not x else f"{x['median'] * scale:.2f} {unit} [{x['min'] * scale:.2f}-{x['max'] * scale:.2f}]"
 
 
 def format_table(r: dict) -> str:
-    rec, lost = r["recovery_s"], r["lost_to_faults_s"]
-    ready = [f["ready_s"] for f in r["per_fault"] if f["ready_s"] is not None]
-    cpu = [f["spare_cpu_s"] for f in r["per_fault"] if f["spare_cpu_s"] is not None]
+    lost = r["lost_to_faults_s"]
+    cpu = spread(f["spare_cpu_s"] for f in r["per_fault"])
     promoted_starting = sum(f["promoted_ready"] is False for f in r["per_fault"])
     rows = [
         ("job", f"{r['config']['nproc']} workers + {r['config']['spares']} spare (replenished), "
-                f"model {r['config']['model_size']}, gloo"),
+                f"model {r['config']['model_size']}, gloo{', one rank per core' if r['config']['pin'] else ''}"),
         ("faults", f"SIGKILL of a random rank every {r['fault_every_s']:g} s for {r['duration_s']:g} s: {r['faults']}"),
         ("completed", "yes" if r["completed"] else "NO"),
-        ("baseline step time", f"{r['baseline']['step_time_s'] * 1000:.1f} ms (fault-free, same run)"),
-        ("goodput", f"{r['goodput'] * 100:.1f} % at the quiet step ({r['quiet_step_s'] * 1000:.1f} ms, median of "
-                    f"{r['quiet_steps']} away from faults); {r['goodput_vs_baseline'] * 100:.1f} % "
-                    f"vs the baseline ({r['steps_committed']} steps vs {r['steps_at_baseline_rate']:.0f})"),
+        ("fault-free step", f"{_s(r['fault_free_step_s'], 1000, 'ms')} (same invocation, same window)"),
+        ("goodput", f"{r['goodput'] * 100:.1f} % (v{r['definition_version']}: 1 - time the faults cost / window; "
+                    f"{r['steps_committed']} steps committed, {r['steps_fault_free']} by the fault-free run)"),
         ("time lost", f"{r['lost_s']:.1f} s: {lost['down_s']:.1f} s down (fault -> next commit), "
-                      f"{lost['slow_s']:.1f} s slower steps until the replacement spare was ready, "
-                      f"{r['lost_s'] - lost['down_s'] - lost['slow_s']:.1f} s elsewhere"),
-        ("recoveries", f"{r['recoveries']}/{r['faults']}" + (
-            f", fault -> next commit median {rec['median']:.2f} s, max {rec['max']:.2f} s" if rec else "")),
-        ("replacement spares", f"ready {_median(ready):.1f} s after the fault (median), "
-                               f"{_median(cpu):.1f} CPU s each; {promoted_starting} promoted before ready"),
+                      f"{lost['slow_s']:.1f} s slower steps until the replacement spare was ready"),
+        ("recoveries", f"{r['recoveries']}/{r['faults']}, fault -> next commit {_s(r['recovery_s'])}"),
+        ("replacement spares", f"ready {_s(r['ready_s'])} after the fault, {_s(cpu, unit='CPU s')} each; "
+                               f"{promoted_starting} promoted before ready"),
         ("lost steps", str(r["lost_steps"])),
         ("spares", f"{r['promotions']} promoted, {r['spares_added']} started to replace them, "
                    f"{r['restarts']} process restarts"),
-        ("losses bit-identical", f"{'yes' if r['bitwise_equal'] else 'NO'} "
-                                 f"({r['bitwise_equal_steps']} steps both runs committed)"),
+        ("losses bit-identical", f"{'yes' if r['bitwise_equal'] else 'NO'} (every rank, {r['bitwise_equal_steps']} "
+                                 f"steps, {r['steps_after_last_fault']} after the last fault; "
+                                 f"{r['unmatched_steps']} without a fault-free reference)"),
         ("logs", r["log_dir"]),
     ]
     width = max(len(k) for k, _ in rows)
