@@ -37,7 +37,12 @@ def hp(capsys):
     (["ckpt", "gc", "job", "--url", "/x", "--keep", "-1"], "--keep must be >= 0"),
     (["ckpt", "ls", "a/b", "--url", "/x"], "bad namespace"),
     (["ckpt", "daemon", "--listen", "127.0.0.1:1", "--replicas", "-1"], "must be >= 0"),
-    (["bench", "ckpt", "--params", "10"], "--params must be >= 1000"),
+    (["bench", "ckpt", "--params", "10"], "--params must be a number >= 1000"),
+    (["bench", "ckpt", "--params", "-1"], "--params must be a number >= 1000"),
+    (["bench", "ckpt", "--params", "nan"], "--params must be a number >= 1000"),
+    (["bench", "ckpt", "--saves", "0"], "--saves must be >= 1"),
+    (["bench", "ckpt", "--rounds", "2"], "--rounds must be >= 3"),
+    (["bench", "ckpt", "--saves", "x"], "invalid int value"),
 ])
 def test_bad_input_is_one_line_exit_2(args, message, monkeypatch, hp):
     monkeypatch.setenv("HP_JOB_TOKEN", new_token())
@@ -96,17 +101,6 @@ def test_frames_are_authenticated_and_capped(daemons, token):
         assert wire.exchange(s, token, {"op": "ping"})[0]["ok"]  # the connection stays usable
     out = node.output()
     assert "authentication failed" in out and "exceeds" in out
-
-
-def test_bench_ckpt_smoke_json_last_line(s3, hp, monkeypatch):
-    """The benchmark's plumbing on a tiny state (the real figures come from the default 100 M size)."""
-    for k, v in s3.env().items():
-        monkeypatch.setenv(k, v)
-    r = hp("bench", "ckpt", "--params", "2e4", "--saves", "1", "--json", "--url", f"s3://{s3.bucket}/bench")
-    assert r.returncode == 0, r.stderr
-    out = json.loads(r.stdout.strip().splitlines()[-1])
-    for key in ("stall_s", "memcpy_floor_s", "dcp_sync_s3_s", "dcp_async_stall_s", "persist_MBps", "s3fs_raw_MBps"):
-        assert out[key] > 0, (key, out)
 
 
 def test_seal_accepts_only_the_slot_the_daemon_handed_out(daemons, token):

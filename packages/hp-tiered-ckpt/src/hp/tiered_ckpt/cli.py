@@ -119,8 +119,10 @@ def _add_target(p: argparse.ArgumentParser) -> None:
 def add_bench_ckpt(bench: argparse._SubParsersAction) -> None:
     p = bench.add_parser("ckpt", help="training-loop stall per save: hp memory tier vs DCP to S3 (sync, async)")
     p.add_argument("--params", type=float, default=100e6, help="model parameters (default 100e6: ~1.2 GB with Adam)")
-    p.add_argument("--saves", type=int, default=5, help="timed saves after warm-up")
-    p.add_argument("--json", action="store_true", help="last stdout line: one JSON object")
+    p.add_argument("--saves", type=int, default=3, help="warm saves per round (hp; DCP async does one more)")
+    p.add_argument("--rounds", type=int, default=3,
+                   help="rounds, each with a fresh daemon and a new DCP stager: cold samples (>= 3)")
+    p.add_argument("--json", action="store_true", help="after the table, the result as the last stdout line")
     p.add_argument("--url", default=None, help="S3 URL to use (default: a SeaweedFS started for the run)")
     p.add_argument("--dir", default=None, help="scratch directory (default: a new temporary one)")
     p.set_defaults(handler=_bench)
