@@ -37,6 +37,7 @@ _EXPORTS = {
     "cleanup_stale": "hp.chaos.topology",
     "MultiNodeJob": "hp.chaos.multinode",
     "GoodputConfig": "hp.chaos.bench_goodput",
+    "simulate": "hp.chaos.goodput_sim",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -12,6 +12,7 @@ import argparse
 import importlib
 import json
 import os
+import sys
 
 from hp.core.errors import UsageError
 from hp.core.hookspecs import hookimpl
@@ -45,27 +46,39 @@ def _recovery(args: argparse.Namespace) -> int:
     if args.ckpt_every < 1 or args.corpus_mb < 1 or (args.vocab is not None and args.vocab < 2) \
             or args.torchft_heartbeat_timeout_ms < 1:
         raise UsageError("--ckpt-every, --corpus-mb and --torchft-heartbeat-timeout-ms must be >= 1, --vocab >= 2")
-    if not 0 <= args.fault_step < args.steps - 1:
-        raise UsageError(f"--fault-step must be in [0, steps - 1): step {args.fault_step} + 1, the step "
-                         f"downtime is measured to, must exist in a {args.steps}-step run")
+    if args.fault_step < 1 or args.steps - args.fault_step - 1 < bench.MIN_STEPS_AFTER:
+        raise UsageError(f"--fault-step must be >= 1 with at least {bench.MIN_STEPS_AFTER} steps after it: "
+                         f"{args.steps} steps allow --fault-step <= {args.steps - 1 - bench.MIN_STEPS_AFTER}")
+    if args.repeats < bench.MIN_REPEATS:
+        raise UsageError(f"--repeats must be >= {bench.MIN_REPEATS}: a figure is a median with its spread")
+    variants = tuple(v for v in args.variants.split(",") if v)
+    if not variants or set(variants) - set(bench.VARIANTS):
+        raise UsageError(f"--variants: a comma-separated subset of {','.join(bench.VARIANTS)}, got {args.variants!r}")
     cfg = bench.BenchConfig(model_size=args.model_size, vocab=args.vocab, seq=args.seq, nproc=args.nproc,
                             steps=args.steps, fault_step=args.fault_step, ckpt_every=args.ckpt_every,
                             corpus_mb=args.corpus_mb, log_dir=args.log_dir, timeout_s=args.timeout,
-                            torchft_heartbeat_timeout_ms=args.torchft_heartbeat_timeout_ms)
+                            torchft_heartbeat_timeout_ms=args.torchft_heartbeat_timeout_ms, repeats=args.repeats,
+                            pin=not args.no_pin, variants=variants)
+    from hp.chaos.bench_recovery_table import format_table
+
     result = bench.run_bench(cfg)
-    return _print_result(result, bench.format_table(result), args.json)
+    return _print_result(result, format_table(result), args.json)
 
 
 def _add_recovery(bench: argparse._SubParsersAction) -> None:
-    p = bench.add_parser("recovery", help="downtime after a SIGKILL of rank 1: hp with a hot spare vs "
-                                          "torchrun + DCP checkpoint-restart vs torchft (where installed)")
+    p = bench.add_parser("recovery", help="downtime after a SIGKILL of rank 1, one rank per core: hp with a hot "
+                                          "spare vs torchrun + DCP vs torchft vs NVRx in-process restart")
     p.add_argument("--model-size", default="25m", help="tiny | small | 25m (default 25m: INFRA.md's baseline model)")
     p.add_argument("--vocab", type=int, default=None, help="default: 8192 for 25m (~27 M params), else 256")
     p.add_argument("--seq", type=int, default=64)
-    p.add_argument("--nproc", type=int, default=4, help="ranks per variant (hp adds one hot spare)")
-    p.add_argument("--steps", type=int, default=14, help="default keeps a 25m bench to a few minutes")
-    p.add_argument("--fault-step", type=int, default=12, help="rank 1 is SIGKILLed right after committing it")
-    p.add_argument("--ckpt-every", type=int, default=10, help="baseline: DCP save after each step s, s %% K == 0")
+    p.add_argument("--nproc", type=int, default=2, help="ranks per variant (hp adds one hot spare, NVRx one idle "
+                                                        "rank); default: one per core of a 2-core machine")
+    p.add_argument("--steps", type=int, default=14)
+    p.add_argument("--fault-step", type=int, default=6, help="rank 1 is SIGKILLed right after committing it")
+    p.add_argument("--repeats", type=int, default=3, help="faulted jobs per variant (>= 3)")
+    p.add_argument("--variants", default="hp,torchrun_dcp,torchft,nvrx_default,nvrx_tuned")
+    p.add_argument("--no-pin", action="store_true", help="do not pin each rank to a core of its own")
+    p.add_argument("--ckpt-every", type=int, default=4, help="baseline: DCP save after each step s, s %% K == 0")
     p.add_argument("--corpus-mb", type=int, default=16)
     p.add_argument("--timeout", type=float, default=900.0, help="seconds per job before it is killed")
     p.add_argument("--torchft-heartbeat-timeout-ms", type=int, default=5000,
@@ -78,23 +91,23 @@ def _add_recovery(bench: argparse._SubParsersAction) -> None:
 def _goodput(args: argparse.Namespace) -> int:
     if args.nproc < 2 or args.spares < 1:
         raise UsageError("--nproc must be >= 2 and --spares >= 1 (faults go through spares)")
-    if not 0 < args.fault_every < args.duration or args.baseline <= 0 or args.corpus_mb < 1:
-        raise UsageError("need 0 < --fault-every < --duration, --baseline > 0 and --corpus-mb >= 1")
+    if not 0 < args.fault_every < args.duration or args.corpus_mb < 1:
+        raise UsageError("need 0 < --fault-every < --duration and --corpus-mb >= 1")
     bench = _demo_bench("goodput", args.model_size)
-    cfg = bench.GoodputConfig(duration_s=args.duration, fault_every_s=args.fault_every, baseline_s=args.baseline,
-                              nproc=args.nproc, spares=args.spares, model_size=args.model_size,
-                              corpus_mb=args.corpus_mb, seed=args.seed, log_dir=args.log_dir)
+    cfg = bench.GoodputConfig(duration_s=args.duration, fault_every_s=args.fault_every, nproc=args.nproc,
+                              spares=args.spares, model_size=args.model_size, corpus_mb=args.corpus_mb,
+                              seed=args.seed, pin=not args.no_pin, log_dir=args.log_dir)
     result = bench.run_bench(cfg)
     return _print_result(result, bench.format_table(result), args.json)
 
 
 def _add_goodput(bench: argparse._SubParsersAction) -> None:
     p = bench.add_parser("goodput", help="goodput while a random rank is SIGKILLed every N s (spares replenished), "
-                                         "against the fault-free step rate of the same job")
-    p.add_argument("--duration", type=float, default=300.0, help="seconds of training under faults")
+                                         "against a fault-free run of the same job for the same time")
+    p.add_argument("--duration", type=float, default=300.0, help="seconds of training, fault-free and under faults")
     p.add_argument("--fault-every", type=float, default=30.0, help="seconds between two SIGKILLs")
-    p.add_argument("--baseline", type=float, default=30.0, help="seconds of fault-free training for the step rate")
-    p.add_argument("--nproc", type=int, default=4)
+    p.add_argument("--nproc", type=int, default=2, help="ranks (default: one per core of a 2-core machine)")
+    p.add_argument("--no-pin", action="store_true", help="do not pin each rank to a core of its own")
     p.add_argument("--spares", type=int, default=1, help="hot spares; each promoted one is replaced")
     p.add_argument("--model-size", default="tiny", help="tiny | small | 25m")
     p.add_argument("--corpus-mb", type=int, default=16)
@@ -147,6 +160,36 @@ def _add_exact(bench: argparse._SubParsersAction) -> None:
         return
     bench_exact.add_arguments(p)
     p.set_defaults(handler=bench_exact.run_cli)
+
+
+def _all(args: argparse.Namespace) -> int:
+    from hp.chaos import bench_all
+
+    names = [n for n in args.only.split(",") if n] if args.only else list(bench_all.SUITE)
+    if not names or set(names) - set(bench_all.SUITE):
+        raise UsageError(f"--only: a comma-separated subset of {','.join(bench_all.SUITE)}, got {args.only!r}")
+    if not args.out.endswith(".json") or os.path.isdir(args.out):
+        raise UsageError(f"--out must name a .json file, got {args.out!r}")
+    def log(m: str) -> None:
+        print(m, file=sys.stderr, flush=True)
+
+    result = bench_all.run_all(names, args.quick, log)
+    bench_all.write(result, args.out)
+    if {"recovery", "ckpt", "elastic"} <= set(names):  # the simulation's measured inputs
+        result["goodput_simulation"] = bench_all.simulate(args.out, log)
+        result["completed"] = result["completed"] and result["goodput_simulation"]["completed"]
+        bench_all.write(result, args.out)
+    print(bench_all.format_table(result), f"\nwritten: {args.out}", sep="", flush=True)
+    return 0 if result["completed"] else 1
+
+
+def _add_all(bench: argparse._SubParsersAction) -> None:
+    p = bench.add_parser("all", help="every benchmark, one after the other, into one results file "
+                                     "(commit, machine, each benchmark's JSON)")
+    p.add_argument("--out", required=True, help="results file, e.g. benchmarks/results/<name>.json")
+    p.add_argument("--only", default=None, help="comma-separated subset (default: all)")
+    p.add_argument("--quick", action="store_true", help="small sizes: a smoke run of the suite, not figures")
+    p.set_defaults(handler=_all)
 
 
 def _missing(what: str, dist: str, e: Exception) -> int:
@@ -246,4 +289,6 @@ def hp_cli_commands(subparsers: argparse._SubParsersAction) -> None:
     _add_goodput(bench)
     _add_elastic(bench)
     _add_exact(bench)
+    _add_all(bench)
     _add_chaos(subparsers)
+    importlib.import_module("hp.chaos.goodput_cli").add_goodput(subparsers)  # hp goodput simulate
