@@ -26,4 +26,11 @@ fi
     -e "packages/hp-checkpointless[test,tiered]" \
     -e "packages/hp-tiered-ckpt[test]" \
     -e "packages/hp-chaos[test,torchft]"
+# hp-chaos[nvrx] (hp bench recovery's NVRx variants), its wheel without its dependencies and then the ones
+# it uses: its `pynvml` requirement is a deprecated shim over nvidia-ml-py that makes every `import torch`
+# print a FutureWarning; nvidia-ml-py provides the same `pynvml` module. Its torch requirement (>=2.3)
+# is met by the CPU torch above, which stays.
+.venv/bin/python -m pip install -qq --no-deps "nvidia-resiliency-ext==0.4.1"
+.venv/bin/python -m pip install -qq "nvidia-ml-py>=12.570.86" "psutil>=6.0.0" defusedxml packaging pyyaml
+.venv/bin/python -m pip uninstall -qq -y pynvml 2>/dev/null || true  # left by an earlier plain install
 echo "setup: .venv ready ($(.venv/bin/python -c 'import torch; print("torch", torch.__version__)'))"
