@@ -24,6 +24,8 @@ def test_bench_all_writes_each_benchmarks_json_with_commit_and_machine(tmp_path)
     exact = r["benchmarks"]["exact"]
     assert exact["returncode"] == 0 and exact["args"] == bench_all.SUITE["exact"][1]
     assert "written:" in out.stdout and "exact" in out.stdout
+    demo = r["demo"]  # hp demo's table, as a new user first sees it: its verdict is every rank's bits
+    assert demo["completed"] is True and demo["bitwise_equal"] is True and demo["recovery_s"] > 0
 
 
 def test_source_says_whether_the_figures_come_from_committed_code(tmp_path, monkeypatch):

@@ -53,9 +53,10 @@ def source() -> dict[str, Any]:
     return {"commit": _git("rev-parse", "HEAD"), "clean_tree": status == "" if status is not None else None}
 
 
-def run_one(name: str, args: list[str], log=print) -> dict[str, Any]:
-    """``hp bench <name> --json ARGS`` in a child process: its JSON (the last stdout line), or why not."""
-    cmd = [sys.executable, "-m", "hp.core.cli", "bench", name, "--json", *args]
+def run_one(name: str, args: list[str], log=print, command: tuple[str, ...] = ("bench",)) -> dict[str, Any]:
+    """``hp bench <name> --json ARGS`` (``hp <name>`` for ``command=()``) in a child process: its JSON
+    (the last stdout line), or why not."""
+    cmd = [sys.executable, "-m", "hp.core.cli", *command, name, "--json", *args]
     log(f"hp bench all: {' '.join(cmd[3:])}")
     start = time.monotonic()
     proc = subprocess.run(cmd, capture_output=True, text=True)
@@ -74,10 +75,12 @@ def run_one(name: str, args: list[str], log=print) -> dict[str, Any]:
 def run_all(names: list[str], quick: bool, log=print) -> dict[str, Any]:
     started = datetime.now(timezone.utc).isoformat(timespec="seconds")
     results = {name: run_one(name, SUITE[name][1 if quick else 0], log) for name in names}
-    return {"schema": SCHEMA, "created": started, **source(), "quick": quick,
+    # hp demo's own table (README's first figures): the product as a new user first sees it
+    demo = run_one("demo", [] if not quick else ["--steps", "8"], log, command=())
+    return {"schema": SCHEMA, "created": started, **source(), "quick": quick, "demo": demo,
             "command": " ".join(["hp", "bench", "all", *sys.argv[3:]]) if sys.argv[1:3] == ["bench", "all"] else None,
             "machine": machine(), "benchmarks": results,
-            "completed": all(r.get("completed") for r in results.values())}
+            "completed": all(r.get("completed") for r in [*results.values(), demo])}
 
 
 def simulate(path: str, log=print) -> dict[str, Any]:
