@@ -11,7 +11,7 @@ import subprocess
 import time
 
 import pytest
-from hp.chaos.bench_goodput import _charge, goodput
+from hp.chaos.bench_goodput import charge, goodput
 from hp.checkpointless.demo.run import DemoConfig, RunResult, job_command
 from hp.checkpointless.events import read_events
 from hp.core.testing import HP, kill_tagged
@@ -76,21 +76,24 @@ def test_goodput_is_in_zero_one_whatever_the_steps_and_faults():
         step, window = rng.uniform(0.01, 1.0), 30.0
         commits = sorted(rng.uniform(0, window) for _ in range(rng.randrange(0, 400)))
         starts = sorted(rng.uniform(0, window) for _ in range(rng.randrange(0, 5)))
-        per_fault = []
-        for i, t in enumerate(starts):
-            cut = starts[i + 1] if i + 1 < len(starts) else window
-            f = {"t": t, "until": min(cut, t + rng.uniform(0, 10)), "recovery_s": rng.choice([None, rng.uniform(0, 5)])}
-            _charge(f, commits, step)
-            per_fault.append(f)
+        per_fault = [{"t": t, "until": min(starts[i + 1] if i + 1 < len(starts) else window, t + rng.uniform(0, 10)),
+                      "recovery_s": rng.choice([None, rng.uniform(0, 5)])} for i, t in enumerate(starts)]
+        charge(per_fault, commits, step, 0.0)
         assert 0 <= goodput([f["cost_s"] for f in per_fault], window) <= 1
-    # a 3 s recovery among 0.1 s steps, one step committed in it: 2.9 s lost of 10 s
-    f = {"t": 5.0, "until": 8.0, "recovery_s": 3.0}
-    _charge(f, [0.1 * i for i in range(1, 51)] + [8.0 + 0.1 * i for i in range(0, 21)], 0.1)
-    assert f["cost_s"] == pytest.approx(2.9) and goodput([f["cost_s"]], 10.0) == pytest.approx(0.71)
+    # 0.1 s steps, a fault at 5.05 s in the step after the commit at 5.0, a 3 s recovery (next commit
+    # at 8.05): 3.05 s of wall time held one step of work: 2.95 s lost of 10 s
+    commits = [0.1 * i for i in range(1, 51)] + [8.05 + 0.1 * i for i in range(0, 20)]
+    f = [{"t": 5.05, "until": 8.05, "recovery_s": 3.0}]
+    charge(f, commits, 0.1, 0.0)
+    assert f[0]["cost_s"] == pytest.approx(2.95) and goodput([f[0]["cost_s"]], 10.0) == pytest.approx(0.705)
+    # two faults before the job committed again: their aftermaths do not overlap, nothing is charged twice
+    f = [{"t": 5.05, "until": 6.0, "recovery_s": None}, {"t": 6.0, "until": 8.05, "recovery_s": 2.05}]
+    charge(f, commits, 0.1, 0.0)
+    assert sum(x["cost_s"] for x in f) == pytest.approx(2.95)
     # steps faster than the fault-free pace in the aftermath do not give time back
-    f = {"t": 5.0, "until": 6.0, "recovery_s": 0.01}
-    _charge(f, [5.0 + 0.05 * i for i in range(1, 21)], 0.1)
-    assert f["cost_s"] == 0.0 and goodput([f["cost_s"]], 10.0) == 1.0
+    f = [{"t": 5.0, "until": 6.0, "recovery_s": 0.01}]
+    charge(f, [5.0 + 0.05 * i for i in range(0, 21)], 0.1, 0.0)
+    assert f[0]["cost_s"] == 0.0 and goodput([f[0]["cost_s"]], 10.0) == 1.0
 
 
 def test_bench_goodput_bad_input_is_a_one_line_error(tmp_path):

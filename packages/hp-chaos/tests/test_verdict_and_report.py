@@ -56,8 +56,10 @@ def test_a_recovered_fault_meets_every_expectation():
     assert r["recovery_s"] == [pytest.approx(1.0)]  # 3.5 -> first commit of generation 2 at 4.5
     assert r["faults"][0]["phases"] == pytest.approx({"detect": 0.1, "abort": 0.1, "pg_init": 0.1, "hydrate": 0.1,
                                                       "replay": 0.6})
-    # 7 steps after the first at the run's median pace (1 s) in a 7.5 s window (0 -> 7.5)
-    assert r["goodput"] == pytest.approx(7 / 7.5) == goodput(faulted().result)
+    # the fault at 3.5 s cost the wall time from the last commit before it (3.0) to the next (4.5) less
+    # one step at the run's median pace (1 s): 0.5 s of a 7.5 s window (first to last commit)
+    assert r["goodput"] == pytest.approx(1 - 0.5 / 7.5) == goodput(faulted().result, [3.5])
+    assert goodput(faulted().result, []) == 1.0  # no fault, no cost, whatever the jitter
     assert r["recoveries"] == 1 and r["losses"]["faulted"]["7"] == [pytest.approx(4.3)]
 
 

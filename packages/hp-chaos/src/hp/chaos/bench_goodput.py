@@ -14,9 +14,9 @@ stopped after the measured window. Both runs are in the same invocation and last
 over the steps a fault-free run commits in the same wall time, where "a fault-free run" is the
 faulted run itself with each fault's aftermath replaced by steps at the fault-free pace ``s``:
 ``1 - sum(cost_f) / duration_s``. A fault's aftermath lasts from the fault until the job committed
-again and its replacement spare was ready (cut at the next fault and at the window's end); its cost
-is the aftermath's wall time minus the new steps committed in it times ``s``, never below 0 (a fault
-does not give time back). Aftermaths do not overlap and lie in the window, so goodput is in [0, 1] by
+again and its replacement spare was ready (cut at the next fault and at the window's end), from the
+last commit before it (the step it interrupted is lost work); its cost is the aftermath's wall time
+minus the new steps committed in it times ``s``, never below 0 (a fault does not give time back). Aftermaths do not overlap and lie in the window, so goodput is in [0, 1] by
 construction; recovery, replayed work and slower steps while a replacement starts all count against
 it, step-time jitter away from faults does not (on a shared machine it would swamp the faults).
 ``steps_committed`` and ``steps_fault_free`` (the fault-free run's count in the same window) are
@@ -146,7 +146,7 @@ def _new_commits(events: list[dict], start: float, end: float) -> list[float]:
 
 def goodput(costs: list[float], duration_s: float) -> float:
     """``1 - sum(costs) / duration_s``: each cost is a fault's, >= 0, from aftermaths that do not
-    overlap and lie in the window (:func:`_charge`), so the result is in [0, 1]."""
+    overlap and lie in the window (:func:`charge`), so the result is in [0, 1]."""
     return 1.0 - sum(costs) / duration_s
 
 
@@ -221,8 +221,7 @@ def run_bench(cfg: GoodputConfig) -> dict:
     recovered = [r["recovery_s"] for r in recoveries if r["recovery_s"] is not None]
     decisions = _decisions(job.log_dir)
     per_fault = _aftermath(events, decisions, faults, recoveries, end)
-    for f in per_fault:
-        _charge(f, commits, step_s)
+    charge(per_fault, commits, step_s, t0)
     # bit-equality: every step the faulted run committed (in the window or after it), every rank's
     # local loss and the global mean, against the fault-free run
     faulted_run, free_run = RunResult(0, 0.0, events, ""), RunResult(0, 0.0, free_events, "")
@@ -294,15 +293,22 @@ def _aftermath(events: list[dict], decisions: list[dict], faults: list[dict], re
     return out
 
 
-def _charge(f: dict, commits: list[float], step_s: float) -> None:
-    """Time one fault cost: its aftermath's wall time minus the new steps committed in it at the
-    fault-free pace (``cost_s``, never below 0), split at the first commit after it (``down_s``:
-    recovery; ``slow_s``: the job ran slower until the replacement was ready)."""
-    t, until = f.pop("t"), f.pop("until")
-    first = min(t + (f["recovery_s"] or 0.0), until)
-    f["down_s"] = (first - t) - sum(t < c <= first for c in commits) * step_s
-    f["slow_s"] = (until - first) - sum(first < c <= until for c in commits) * step_s
-    f["cost_s"] = max(0.0, f["down_s"] + f["slow_s"])
+def charge(faults: list[dict], commits: list[float], step_s: float, start: float) -> None:
+    """Each fault's cost (``cost_s``, >= 0): the wall time of its aftermath minus the new steps
+    committed in it at the fault-free pace ``step_s``. The aftermath starts at the last commit before
+    the fault (the step it interrupted is lost work) or where the previous fault's ended, whichever is
+    later, and ends at ``until`` (the caller cuts it at the next fault and the window's end): so no
+    two overlap and all lie in the window. Split at the first commit after the fault into ``down_s``
+    (recovery) and ``slow_s`` (slower steps until the replacement was ready). Pops ``t``, ``until``."""
+    prev = start
+    for f in faults:
+        t, until = f.pop("t"), f.pop("until")
+        begin = max(prev, max((c for c in commits if c <= t), default=start))
+        first = min(t + (f["recovery_s"] or 0.0), until)
+        f["down_s"] = (first - begin) - sum(begin < c <= first for c in commits) * step_s
+        f["slow_s"] = (until - first) - sum(first < c <= until for c in commits) * step_s
+        f["cost_s"] = max(0.0, f["down_s"] + f["slow_s"])
+        prev = until
 
 
 def _s(x: dict | None, scale: float = 1.0, unit: str = "s") -> str:

@@ -6,12 +6,13 @@ ranks committed the step (:func:`hp.checkpointless.demo.run.differing_steps`), a
 state (:func:`hp.checkpointless.demo.run.compare_state`), against the reference; each fault's recovery (fault -> next commit, split into phases by
 :func:`hp.checkpointless.demo.run.recovery_timeline`), the failed generations, and goodput.
 
-**goodput** = productive step time / wall time of the faulted run's training window (rank 0's first
-to last commit). Productive step time = the steps committed in the window x the run's own median
-step time, so a fault's cost (detection, recovery, replayed or stalled steps) is what lowers it;
-the run's own pace, not the reference's, because a shared machine's load differs between two runs.
-Start-up (imports, model build) is the same with or without faults and dominates a tiny job: it is
-outside the window.
+**goodput** is ``hp bench goodput``'s (:func:`hp.chaos.bench_goodput.goodput`): 1 - the time the
+faults cost / the faulted run's training window (rank 0's first to last commit), each fault's cost
+being its aftermath (the last commit before it -> rank 0's first commit after it, cut at the next
+fault) minus the new steps committed in it at the run's median step, never below 0: in [0, 1] by
+construction. The run's own pace (its median step), not the reference's, because a shared machine's
+load differs between two runs. Start-up (imports, model build) is the same with or without faults and
+dominates a tiny job: it is outside the window.
 
 **Elastic jobs** (``job.elastic``): the reference is the same job (same nodes and ranks per node,
 same policy and flags) with no fault, so it runs at its initial world size throughout. The faulted
@@ -37,6 +38,7 @@ import tempfile
 from dataclasses import asdict
 from typing import Any
 
+from hp.chaos import bench_goodput
 from hp.chaos.faults import fault_kinds
 from hp.chaos.faults.base import FaultSpec
 from hp.chaos.launch import JobRun, run_job
@@ -147,15 +149,22 @@ def _next_commit(events: list[dict], t0: float, step: int) -> float | None:
                  and e["t"] >= t0 and e["step"] >= step), None)
 
 
-def goodput(faulted: RunResult) -> float | None:
-    """Productive step time / wall time of the run's training window (see the module docstring)."""
-    got = [e for e in faulted.events if e["event"] == Event.COMMIT and e.get("rank") == 0]
-    if len(got) < 2:
+def goodput(faulted: RunResult, fault_times: list[float]) -> float | None:
+    """The faulted run's goodput (see the module docstring); None with fewer than two commits."""
+    got = sorted((e for e in faulted.events if e["event"] == Event.COMMIT and e.get("rank") == 0),
+                 key=lambda e: e["t"])
+    seen: set[int] = set()
+    commits = [e["t"] for e in got if not (e["step"] in seen or seen.add(e["step"]))]  # new steps only
+    if len(commits) < 2 or commits[-1] <= commits[0]:
         return None
-    window = got[-1]["t"] - got[0]["t"]
-    pace = statistics.median(b["t"] - a["t"] for a, b in zip(got, got[1:]))
-    steps = len({e["step"] for e in got}) - 1  # the first commit opens the window
-    return steps * pace / window if window > 0 else None
+    start, end = commits[0], commits[-1]
+    pace = statistics.median(b - a for a, b in zip(commits, commits[1:]))
+    times = sorted(t for t in fault_times if start <= t < end)
+    aftermaths = [{"t": t, "recovery_s": None,
+                   "until": min(next((c for c in commits if c > t), end), *(times[i + 1:i + 2] or [end]))}
+                  for i, t in enumerate(times)]
+    bench_goodput.charge(aftermaths, commits, pace, start)
+    return bench_goodput.goodput([f["cost_s"] for f in aftermaths], end - start)
 
 
 def _floats(losses: dict[int, list[str]]) -> dict[str, list[float]]:
@@ -188,7 +197,7 @@ def evaluate(scenario: Scenario, reference: RunResult, run: JobRun, persisted: d
                        "recovery_s": recovery if list(phases) == ["replay"] else entry["recovery_s"],
                        "phases": phases})
     recoveries = len({e["generation"] for e in events if e["event"] == Event.FAILURE_DETECTED})
-    gp = goodput(faulted)
+    gp = goodput(faulted, [f["t"] for f in faults if f["t"] is not None])
     elastic = _elastic(scenario, reference, faulted) if scenario.job.elastic is not None else None
     if elastic is not None and "bitwise_equal" in elastic:
         verdict = {**verdict, "bitwise_equal": elastic["bitwise_equal"]}
