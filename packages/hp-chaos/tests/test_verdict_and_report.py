@@ -58,8 +58,11 @@ def test_a_recovered_fault_meets_every_expectation():
                                                       "replay": 0.6})
     # the fault at 3.5 s cost the wall time from the last commit before it (3.0) to the next (4.5) less
     # one step at the run's median pace (1 s): 0.5 s of a 7.5 s window (first to last commit)
-    assert r["goodput"] == pytest.approx(1 - 0.5 / 7.5) == goodput(faulted().result, [3.5])
+    assert r["goodput"] == pytest.approx(1 - 0.5 / 7.5) == goodput(faulted().result, [(3.5, 0.0)])
     assert goodput(faulted().result, []) == 1.0  # no fault, no cost, whatever the jitter
+    # an outage lasting 2 s from 3.5: its aftermath runs to the first commit after 5.5 (6.5): 3.5 s of
+    # wall time for 3 steps
+    assert goodput(faulted().result, [(3.5, 2.0)]) == pytest.approx(1 - 0.5 / 7.5)
     assert r["recoveries"] == 1 and r["losses"]["faulted"]["7"] == [pytest.approx(4.3)]
 
 

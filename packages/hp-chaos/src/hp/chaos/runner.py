@@ -8,8 +8,8 @@ state (:func:`hp.checkpointless.demo.run.compare_state`), against the reference;
 
 **goodput** is ``hp bench goodput``'s (:func:`hp.chaos.bench_goodput.goodput`): 1 - the time the
 faults cost / the faulted run's training window (rank 0's first to last commit), each fault's cost
-being its aftermath (the last commit before it -> rank 0's first commit after it, cut at the next
-fault) minus the new steps committed in it at the run's median step, never below 0: in [0, 1] by
+being its aftermath (the last commit before it -> rank 0's first commit after it, or after its
+``duration_s`` for an outage, cut at the next fault) minus the new steps committed in it at the run's median step, never below 0: in [0, 1] by
 construction. The run's own pace (its median step), not the reference's, because a shared machine's
 load differs between two runs. Start-up (imports, model build) is the same with or without faults and
 dominates a tiny job: it is outside the window.
@@ -149,8 +149,10 @@ def _next_commit(events: list[dict], t0: float, step: int) -> float | None:
                  and e["t"] >= t0 and e["step"] >= step), None)
 
 
-def goodput(faulted: RunResult, fault_times: list[float]) -> float | None:
-    """The faulted run's goodput (see the module docstring); None with fewer than two commits."""
+def goodput(faulted: RunResult, faults: list[tuple[float, float]]) -> float | None:
+    """The faulted run's goodput (see the module docstring) under ``faults`` (fault time, how long it
+    lasts: 0, or a storage outage's or partition's ``duration_s``, which the aftermath covers too);
+    None with fewer than two commits."""
     got = sorted((e for e in faulted.events if e["event"] == Event.COMMIT and e.get("rank") == 0),
                  key=lambda e: e["t"])
     seen: set[int] = set()
@@ -159,10 +161,10 @@ def goodput(faulted: RunResult, fault_times: list[float]) -> float | None:
         return None
     start, end = commits[0], commits[-1]
     pace = statistics.median(b - a for a, b in zip(commits, commits[1:]))
-    times = sorted(t for t in fault_times if start <= t < end)
+    during = sorted((t, d) for t, d in faults if start <= t < end)
     aftermaths = [{"t": t, "recovery_s": None,
-                   "until": min(next((c for c in commits if c > t), end), *(times[i + 1:i + 2] or [end]))}
-                  for i, t in enumerate(times)]
+                   "until": min(next((c for c in commits if c > t + d), end), *[u for u, _ in during[i + 1:i + 2]], end)}
+                  for i, (t, d) in enumerate(during)]
     bench_goodput.charge(aftermaths, commits, pace, start)
     return bench_goodput.goodput([f["cost_s"] for f in aftermaths], end - start)
 
@@ -197,7 +199,8 @@ def evaluate(scenario: Scenario, reference: RunResult, run: JobRun, persisted: d
                        "recovery_s": recovery if list(phases) == ["replay"] else entry["recovery_s"],
                        "phases": phases})
     recoveries = len({e["generation"] for e in events if e["event"] == Event.FAILURE_DETECTED})
-    gp = goodput(faulted, [f["t"] for f in faults if f["t"] is not None])
+    gp = goodput(faulted, [(f["t"], spec.params.get("duration_s") or 0.0)
+                           for f, spec in zip(faults, scenario.faults) if f["t"] is not None])
     elastic = _elastic(scenario, reference, faulted) if scenario.job.elastic is not None else None
     if elastic is not None and "bitwise_equal" in elastic:
         verdict = {**verdict, "bitwise_equal": elastic["bitwise_equal"]}
