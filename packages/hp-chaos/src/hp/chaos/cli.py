@@ -144,7 +144,7 @@ def _add_elastic(bench: argparse._SubParsersAction) -> None:
     p.add_argument("--kill-step", type=int, default=12)
     p.add_argument("--model-size", default="tiny", help="tiny | small | 25m")
     p.add_argument("--log-dir", default=None, help="default: a new temporary directory")
-    p.add_argument("--out", default=None, help="also write the result JSON here (e.g. results/bench_elastic.json)")
+    p.add_argument("--out", default=None, help="also write the result JSON here (hp bench all collects it into benchmarks/results/)")
     p.add_argument("--json", action="store_true", help="last stdout line: one JSON object")
     p.set_defaults(handler=_elastic)
 

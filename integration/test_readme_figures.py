@@ -1,0 +1,93 @@
+"""README figures are the committed results file's: every quoted figure links to the value it shows.
+
+A figure is written ``[0.79 s](benchmarks/results/<name>.json#benchmarks.recovery.variants.hp.downtime_s.median)``
+(``hp bench all`` writes the file; see :mod:`hp.chaos.bench_all`). This test resolves each link and
+fails when the file, the key or the value is not what the text says, and when a headline figure is
+quoted without a link."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+READMES = [ROOT / "README.md", *sorted((ROOT / "packages").glob("*/README.md"))]
+LINK = re.compile(r"\[([^\]]*?)\]\(((?:\.\./)*benchmarks/results/[\w.-]+\.json)#([\w.\-]+)\)")
+NUMBER = re.compile(r"(-?[\d,]*\.?\d+)\s*(ms|s|%|×|x|h|k)?")
+SCALE = {"ms": 1000.0, "%": 100.0, "k": 0.001}
+# the figures a reader compares us on: README.md must quote each from the results file
+HEADLINE = [
+    "benchmarks.recovery.variants.hp.downtime_s.median",
+    "benchmarks.recovery.variants.torchrun_dcp.downtime_s.median",
+    "benchmarks.recovery.variants.hp.recovery_s.median",
+    "benchmarks.goodput.goodput",
+    "benchmarks.ckpt.hp_stall_s.warm.median",
+    "benchmarks.ckpt.floor_s.median",
+]
+
+
+def resolve(doc: object, path: str) -> object:
+    for part in path.split("."):
+        if isinstance(doc, list):
+            doc = doc[int(part)]
+        elif isinstance(doc, dict) and part in doc:
+            doc = doc[part]
+        else:
+            raise KeyError(f"{path}: no {part!r}")
+    return doc
+
+
+def matches(text: str, value: object) -> bool:
+    """The first number in ``text`` is ``value`` rounded to the digits shown (in the text's unit)."""
+    m = NUMBER.search(text)
+    if m is None or not isinstance(value, (int, float)) or isinstance(value, bool):
+        return False
+    shown, unit = m.group(1).replace(",", ""), m.group(2)
+    decimals = len(shown.split(".")[1]) if "." in shown else 0
+    return round(float(value) * SCALE.get(unit, 1.0), decimals) == float(shown)
+
+
+def links(readme: Path) -> list[tuple[str, Path, str]]:
+    return [(text, (readme.parent / target).resolve(), key) for text, target, key in LINK.findall(readme.read_text())]
+
+
+@pytest.mark.parametrize("readme", READMES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_linked_figure_is_the_value_in_the_committed_results_file(readme):
+    wrong = []
+    for text, path, key in links(readme):
+        if not path.is_file():
+            wrong.append(f"{text!r}: {path.relative_to(ROOT)} is not committed")
+            continue
+        try:
+            value = resolve(json.loads(path.read_text()), key)
+        except (KeyError, IndexError, ValueError) as e:
+            wrong.append(f"{text!r}: {e}")
+            continue
+        if not matches(text, value):
+            wrong.append(f"{text!r}: the file holds {value!r} at {key}")
+    assert not wrong, "\n".join(wrong)
+
+
+def test_readme_quotes_the_headline_figures_from_a_full_clean_run():
+    quoted = links(ROOT / "README.md")
+    files = {path for _, path, _ in quoted}
+    assert files, "README.md quotes no figure from benchmarks/results/"
+    for path in files:
+        r = json.loads(path.read_text())
+        assert r["schema"] == "hp-bench-results/1" and r["quick"] is False, path
+        assert r["clean_tree"] is True and re.fullmatch(r"[0-9a-f]{40}", r["commit"] or ""), path
+        assert r["completed"] is True, path
+        for name, b in r["benchmarks"].items():
+            assert "definition_version" in b and "machine" in b and "load_avg" in b, (path, name)
+    missing = [k for k in HEADLINE if k not in {key for _, _, key in quoted}]
+    assert not missing, f"README.md does not quote {missing} from the results file"
+
+
+def test_the_checker_itself_rejects_a_figure_that_is_not_the_value():
+    assert matches("0.79 s", 0.7912) and matches("97.3 %", 0.9731) and matches("790 ms", 0.7904)
+    assert matches("7.4×", 7.43) and matches("$4,693", 4693.3)
+    assert not matches("0.80 s", 0.7912) and not matches("97.4 %", 0.9731) and not matches("fast", 1.0)
+    assert not matches("1 s", True)
