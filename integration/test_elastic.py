@@ -26,7 +26,10 @@ def _env(tmp_path: Path, **extra: str) -> dict:
 
 
 def _demo(tmp_path: Path, *flags: str) -> dict:
-    out = subprocess.run([*HP, "demo", "--elastic", "--json", "--log-dir", str(tmp_path / "logs"), *flags], cwd=ROOT,
+    # 250 steps, not the demo's 150: the last grow waits for the preempted agent to exit and a new one to
+    # start; on a CI box loaded by the other test worker that took longer than 119 steps once
+    out = subprocess.run([*HP, "demo", "--elastic", "--json", "--steps", "250", "--log-dir", str(tmp_path / "logs"),
+                          *flags], cwd=ROOT,
                          env=_env(tmp_path), capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
