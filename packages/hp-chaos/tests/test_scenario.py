@@ -72,6 +72,13 @@ def test_the_issue_example_parses_into_typed_faults():
     ("job.checkpoint", {"evry": 2}, "job.checkpoint.evry"),
     ("expect.persisted_step", 10, "expect.persisted_step"),  # no job.checkpoint
     ("faults.1", {"at_step": 3, "kind": "storage", "target": "storage", "duration_s": 1}, "faults[1]"),
+    # #13 finding 8: numbers that are not numbers, sizes that are typos, names that are paths
+    ("job.timeout_s", float("nan"), "job.timeout_s"),
+    ("job.heartbeat_timeout_s", float("inf"), "job.heartbeat_timeout_s"),
+    ("expect.max_recovery_s", -1.0, "expect.max_recovery_s"),
+    ("job.nproc_per_node", 100000, "job.nproc_per_node"),
+    ("name", "../../etc", "name"),
+    ("name", "a/b", "name"),
 ])
 def test_a_malformed_scenario_names_the_key(path, value, key):
     with pytest.raises(ScenarioError) as e:
@@ -141,6 +148,13 @@ MALFORMED = [
     ("name: [unclosed\n", "(file)"),
     ("- just\n- a list\n", "(top level)"),
 ]
+
+
+def test_a_file_that_is_not_utf8_is_one_scenario_error(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_bytes(b"name: x\njob: {steps: \xff\xfe}\n")
+    with pytest.raises(ScenarioError, match="not UTF-8"):
+        load_scenario(path)
 
 
 @pytest.mark.parametrize("content, key", MALFORMED)

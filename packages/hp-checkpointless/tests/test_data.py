@@ -80,7 +80,21 @@ def test_directory_resolution(tmp_path, monkeypatch):
     with TokenCache.open("k", lambda: np.arange(10, dtype=np.uint16)) as c:
         assert Path(c.path).parent == tmp_path / "env"
     monkeypatch.delenv("HP_DATA_CACHE_DIR")
-    assert cache_directory() in ("/dev/shm", tempfile.gettempdir())
+    default = Path(cache_directory())  # one per user, 0700: nobody else reads the tokens or plants a cache
+    assert default.name == f"hp-data-{os.getuid()}" and str(default.parent) in ("/dev/shm", tempfile.gettempdir())
+    assert default.stat().st_mode & 0o777 == 0o700
+
+
+def test_a_planted_cache_file_is_never_attached(tmp_path):
+    """#13 finding 6: caches had predictable names in a shared directory, opened without an owner check."""
+    with TokenCache.open("k", lambda: np.arange(10, dtype=np.uint16), str(tmp_path)) as c:
+        path = Path(c.path)
+    assert path.stat().st_mode & 0o777 == 0o600 and tmp_path.stat().st_mode & 0o777 == 0o700
+    elsewhere = tmp_path / "attacker.bin"
+    path.rename(elsewhere)
+    path.symlink_to(elsewhere)  # what another user could plant in a shared directory
+    with pytest.raises(OSError):
+        TokenCache.open("k", _fail, str(tmp_path))
 
 
 _RACER = textwrap.dedent("""

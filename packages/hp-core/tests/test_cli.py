@@ -44,6 +44,10 @@ def test_backends_table():
     (["run", "--nnodes", "2", "x.py"], "--rdzv-endpoint HOST:PORT with a fixed port is required"),
     (["run", "--spares", "-1", "x.py"], "--spares must be >= 0, got -1"),
     (["run"], "the following arguments are required: entrypoint"),
+    # #13 findings 7-8: a run id becomes a directory name: never a path out of it, never a traceback
+    (["run", "--run-id", "../../../some/dir", "x.py"], "--run-id must be 1-128 of [A-Za-z0-9_.-]"),
+    (["run", "--run-id", "a/b", "x.py"], "--run-id must be 1-128 of [A-Za-z0-9_.-]"),
+    (["run", "--run-id", "..", "x.py"], "not '.' or '..', got '..'"),
     (["fly"], "invalid choice: 'fly'"),
     (["controller", "--nnodes", "1"], "a shared job token is required"),
 ])
@@ -54,6 +58,14 @@ def test_bad_input_is_one_line_exit_2_no_traceback(args, message):
     assert len(lines) == 1 and lines[0].startswith("hp: error:"), out.stderr
     assert message in lines[0]
     assert out.stdout == ""
+
+
+def test_a_controller_that_cannot_listen_says_so_in_one_line():
+    """#13 finding 8: an address this machine does not have was a traceback."""
+    out = hp("controller", "--nnodes", "1", "--host", "10.255.255.1", "--port", "0", env={"HP_JOB_TOKEN": "t" * 32})
+    assert out.returncode == 2, (out.stdout, out.stderr)
+    lines = out.stderr.strip().splitlines()
+    assert len(lines) == 1 and "--host 10.255.255.1: cannot listen there" in lines[0], out.stderr
 
 
 def test_nccl_without_cuda_is_a_clear_error():

@@ -34,8 +34,15 @@ def hp(capsys):
     (["ckpt", "ls", "job"], "exactly one of --url"),
     (["ckpt", "ls", "job", "--url", "/x", "--daemon", "127.0.0.1:1"], "exactly one of --url"),
     (["ckpt", "ls", "job", "--daemon", "nohostport"], "expected HOST:PORT"),
-    (["ckpt", "gc", "job", "--url", "/x", "--keep", "-1"], "--keep must be >= 0"),
-    (["ckpt", "ls", "a/b", "--url", "/x"], "bad namespace"),
+    (["ckpt", "gc", "job", "--url", "/x", "--keep", "-1"], "--keep must be >= 1"),
+    (["ckpt", "gc", "job", "--url", "/x", "--keep", "0"], "--keep must be >= 1"),  # #13 finding 4: wiped all
+    (["ckpt", "ls", "job", "--url", "file:///nonexistent/hp"], "no such location"),
+    (["ckpt", "verify", "job", "--url", "file:///nonexistent/hp"], "no such location"),
+    (["ckpt", "ls", "job", "--url", "bogus://x"], "--url bogus://x:"),
+    (["ckpt", "ls", "job", "--daemon", "127.0.0.1:1"], "127.0.0.1:1: ConnectionRefusedError"),  # finding 8
+    (["ckpt", "daemon", "--listen", "127.0.0.1:0", "--replicas", "0", "--dir", "/etc/passwd"], "--dir /etc/passwd:"),
+    (["ckpt", "ls", "a/b", "--url", "/x"], "namespace must be 1-128 of [A-Za-z0-9_.-]"),
+    (["ckpt", "ls", "..", "--url", "/x"], "not '.' or '..'"),
     (["ckpt", "daemon", "--listen", "127.0.0.1:1", "--replicas", "-1"], "must be >= 0"),
     (["bench", "ckpt", "--params", "10"], "--params must be a number >= 1000"),
     (["bench", "ckpt", "--params", "-1"], "--params must be a number >= 1000"),
@@ -67,6 +74,10 @@ def test_ls_verify_gc_on_url_and_daemon(daemons, token, tmp_path, monkeypatch, h
 
     ls = json.loads(hp("ckpt", "ls", "job", "--url", url, "--json").stdout)
     assert {r["step"]: r["complete"] for r in ls if r["step"] in (3, 7)} == {3: True, 7: False}
+    shard2 = tmp_path / "p/job" / fmt.step_dir(2) / fmt.rank_file(0)
+    shard2.write_bytes(shard2.read_bytes()[:10])  # #13 finding 4: a truncated step listed as complete
+    ls = json.loads(hp("ckpt", "ls", "job", "--url", url, "--json").stdout)
+    assert {r["step"]: r["complete"] for r in ls if r["step"] in (2, 3)} == {2: False, 3: True}
 
     def in_memory() -> list[int]:
         return [r["step"] for r in json.loads(hp("ckpt", "ls", "job", "--daemon", node.addr, "--json").stdout)
@@ -78,6 +89,10 @@ def test_ls_verify_gc_on_url_and_daemon(daemons, token, tmp_path, monkeypatch, h
     assert v.returncode == 0 and "step 3: ok" in v.stdout
     v = hp("ckpt", "verify", "job", "--url", url, "--step", "7")
     assert v.returncode == 1 and "no commit marker" in v.stdout
+    (tmp_path / "p/job" / fmt.step_dir(7) / fmt.COMMIT).write_text('{"world": "two"')  # finding 8: a traceback
+    v = hp("ckpt", "verify", "job", "--url", url, "--step", "7")
+    assert v.returncode == 1 and "unreadable commit marker" in v.stdout and "Traceback" not in v.stderr
+    (tmp_path / "p/job" / fmt.step_dir(7) / fmt.COMMIT).unlink()
 
     gc = hp("ckpt", "gc", "job", "--url", url, "--keep", "1")
     assert gc.returncode == 0

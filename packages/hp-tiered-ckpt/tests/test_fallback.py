@@ -108,3 +108,98 @@ def test_newest_complete_step_wins_and_incomplete_steps_are_skipped(saved, tmp_p
     sd = _blank()
     api.load(sd, cfg)
     assert _same(sd, _state(5))
+
+
+class _Evil:
+    """What an attacker who can write the bucket (no job token needed) puts in a non-tensor item."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        import os
+
+        return os.mkdir, (str(self.marker),)
+
+
+def _rewrite_byte_item(step_dir: Path, fqn: str, payload: bytes) -> None:
+    """Point ``fqn`` at ``payload`` appended to rank 0's file, checksums recomputed: every file the
+    reader trusts is consistent, as an attacker with write access to the storage makes it."""
+    import json
+    import zlib
+
+    shard, meta_path, man_path = step_dir / fmt.rank_file(0), step_dir / fmt.META_JSON, step_dir / fmt.rank_manifest(0)
+    data = shard.read_bytes()
+    offset = fmt.align(len(data))
+    data = data.ljust(offset, b"\0") + payload
+    shard.write_bytes(data)
+    meta = json.loads(meta_path.read_text())
+    for entry in meta["storage_data"]:
+        if entry[0] == fqn:
+            entry[4], entry[5] = offset, len(payload)
+    meta_path.write_text(json.dumps(meta))
+    man = json.loads(man_path.read_text())
+    man["items"].append([offset, len(payload), zlib.crc32(payload)])
+    man["nbytes"] = len(data)
+    man_path.write_text(json.dumps(man))
+
+
+def test_a_rewritten_non_tensor_item_is_refused_never_unpickled(saved, tmp_path):
+    """#13 finding 1: DCP's load planner unpickles non-tensor items with weights_only=False; a
+    rewritten item with recomputed CRCs made verify say ok and load run the attacker's call."""
+    import io
+
+    from hp.tiered_ckpt import UnsafeItemError
+
+    node, cfg, persisted = saved
+    marker = tmp_path / "pwned"
+    evil = io.BytesIO()
+    torch.save(_Evil(marker), evil)
+    _rewrite_byte_item(persisted.parent, "extra.step", evil.getvalue())
+    assert node.client.gc("job", 0) == [5]  # only the rewritten persistent copy is left
+    verify = subprocess.run([*HP, "ckpt", "verify", "job", "--url", cfg.persist_url], capture_output=True, text=True)
+    assert verify.returncode == 1 and "'extra.step' would need unpickling" in verify.stdout, verify.stdout
+    sd = _blank()
+    with pytest.raises(UnsafeItemError, match="'extra.step' would need unpickling"):
+        api.load(sd, cfg)
+    assert not marker.exists()  # nothing ran, in verify or in load
+    assert sd["extra"] == {"step": -1}
+
+
+def test_plain_values_in_non_tensor_items_still_load(saved):
+    """The safe decoder keeps what DCP saves for an optimizer: nested dicts, lists, tuples, floats, bools."""
+    node, cfg, _ = saved
+    opt_like = {"param_groups": [{"lr": 0.001, "betas": (0.9, 0.999), "amsgrad": False, "params": [0, 1],
+                                  "name": None}], "step": 7}
+    state = {**_state(7), "extra": opt_like}
+    assert api.save(state, 7, TieredConfig("job", daemon=node.addr))
+    sd = {**_blank(), "extra": {"param_groups": [{"lr": 0.0, "betas": (0.0, 0.0), "amsgrad": True, "params": [],
+                                                  "name": "x"}], "step": -1}}
+    api.load(sd, TieredConfig("job", daemon=node.addr), step=7)
+    assert sd["extra"] == opt_like
+
+
+def test_a_newest_step_bad_everywhere_falls_back_to_the_older_complete_step(saved, caplog):
+    """#13 finding 3: when no tier has a good copy of the newest step, load the next older complete
+    one (every item of it: nothing of the bad step remains) instead of failing the restart."""
+    node, cfg, persisted5 = saved
+    assert api.save(_state(6), 6, cfg, force=True)
+    wait_for(lambda: len(node.events("committed")) >= 2, 60, "step 6's commit marker")
+    assert node.client.gc("job", 0) == [5, 6]  # memory copies gone: the persistent tier holds both
+    _flip(persisted5.parent.parent / fmt.step_dir(6) / fmt.rank_file(0), _tensor_offset_persisted(cfg, 6))
+    sd = _state(6)  # a live state the bad step would have partly overwritten
+    with caplog.at_level(logging.WARNING, logger="hp.tiered_ckpt"):
+        reader = api.load(sd, cfg)
+    assert reader.step == 5 and _same(sd, _state(5))
+    assert len(reader.skipped) == 1 and reader.skipped[0].startswith("step 6:") and "checksum mismatch" in reader.skipped[0]
+    assert "trying an older step" in caplog.text
+    with pytest.raises(CheckpointCorruptError, match="checksum mismatch"):  # a step asked for is never swapped
+        api.load(_blank(), cfg, step=6)
+
+
+def _tensor_offset_persisted(cfg, step: int) -> int:
+    import json
+
+    root = Path(cfg.persist_url.removeprefix("file://")) / "job" / fmt.step_dir(step)
+    off, n, _ = json.loads((root / fmt.rank_manifest(0)).read_text())["items"][0]
+    return off + n - 200

@@ -66,3 +66,41 @@ def test_dead_peer_mid_transfer_leaves_existing_copies_intact(daemons, token):
     assert node.client.fetch("job", 1, 0, 0, len(good)) == good
     assert [s["step"] for s in node.client.steps("job")] == [1]
     assert not list(node.root.rglob("*.partial*"))
+
+
+def test_gc_never_counts_an_incomplete_step_against_the_complete_ones(tmp_path):
+    """#13 finding 4: `hp ckpt gc --daemon --keep 1` deleted the only complete step because a newer
+    save still arriving was counted as one of the steps to keep."""
+    from hp.tiered_ckpt.store import FileRec, MemoryStore, StepRec
+
+    store = MemoryStore(tmp_path)
+
+    def step(s: int, complete: bool) -> StepRec:
+        f = FileRec(0, str(tmp_path / f"r{s}"), 8, [[0, 8]], items=[[0, 8, 0]] if complete else None)
+        return StepRec(s, 1, files={0: f}, meta_json={} if complete else None)
+
+    store.steps["job"] = {4: step(4, True), 5: step(5, True), 6: step(6, False)}
+    assert store.gc("job", 1) == [4]  # 5 is the newest complete step; 6 is still arriving
+    assert sorted(store.steps["job"]) == [5, 6]
+    store.steps["job"] = {6: step(6, False), 7: step(7, False)}
+    assert store.gc("job", 1) == []  # no complete step: nothing goes
+    assert store.gc("job", 0) == [6, 7]  # keep 0 is the daemon's "forget this job" (job end)
+
+
+def test_slots_and_replicas_are_private_to_the_user(daemons, token, monkeypatch):
+    """#13 finding 6: /dev/shm/hp-ckpt was 0755 with 0644 slots: any local user could read the weights."""
+    import stat
+
+    import torch
+
+    from hp.tiered_ckpt import TieredConfig, api
+
+    monkeypatch.setenv("HP_JOB_TOKEN", token)
+    node = daemons("node0", replicas=0)
+    assert api.save({"w": torch.ones(16)}, 1, TieredConfig("job", daemon=node.addr))
+    assert stat.S_IMODE(os.stat(node.root).st_mode) == 0o700
+    slots = list(node.root.rglob("*.buf"))
+    assert slots and all(stat.S_IMODE(os.stat(p).st_mode) == 0o600 for p in slots)
+    loose = [(str(d), oct(stat.S_IMODE(os.stat(d).st_mode))) for d in node.root.rglob("*") if d.is_dir()
+             and stat.S_IMODE(os.stat(d).st_mode) & 0o077]
+    assert not loose, loose

@@ -29,11 +29,14 @@ expect: {completes: true, bitwise_equal: true, world_sizes: [2, 1, 2], max_pause
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import astuple, dataclass, fields, replace
 from typing import Any
 
 import yaml
+
+from hp.core.config import NAME_RE
 
 from hp.chaos.faults.base import FaultSpec, JobShape, ScenarioError
 
@@ -133,6 +136,9 @@ _MINIMUM = {"nodes": 1, "nproc_per_node": 1, "spares": 0, "steps": 2, "seed": 0,
             "hang_timeout_s": 0.1, "timeout_s": 1.0, "heartbeat_timeout_s": 2.5,
             "every": 1, "persist_every": 1, "persisted_step": 0,
             "min_replicas": 1, "max_replicas": 1, "global_batch": 1, "micro_batch": 1, "max_nodes": 1}
+# a scenario drives real processes on one machine: sizes past these are typos, not tests
+_MAXIMUM = {"nodes": 16, "nproc_per_node": 64, "spares": 16, "max_nodes": 16, "steps": 1_000_000, "corpus_mb": 4096,
+            "max_replicas": 1024, "max_restarts": 100}
 _SCALARS = {"bool": bool, "int": int, "float": float, "str": str}
 
 
@@ -159,8 +165,12 @@ def _typed(cls: type, raw: Any, key: str) -> Any:
             v = float(v)
         if type(v) is not want:
             raise ScenarioError(f"{key}.{k}", f"must be {want.__name__}, got {v!r}")
-        if k in _MINIMUM and v < _MINIMUM[k]:
-            raise ScenarioError(f"{key}.{k}", f"must be >= {_MINIMUM[k]}, got {v!r}")
+        if want is float and not math.isfinite(v):
+            raise ScenarioError(f"{key}.{k}", f"must be a finite number, got {v!r}")
+        if want in (int, float) and v < _MINIMUM.get(k, 0):
+            raise ScenarioError(f"{key}.{k}", f"must be >= {_MINIMUM.get(k, 0)}, got {v!r}")
+        if k in _MAXIMUM and v > _MAXIMUM[k]:
+            raise ScenarioError(f"{key}.{k}", f"must be <= {_MAXIMUM[k]}, got {v!r}")
         out[k] = v
     return cls(**out)
 
@@ -175,8 +185,8 @@ def parse_scenario(raw: Any, source: str | None = None) -> Scenario:
         if k not in ("name", "description", "job", "faults", "expect"):
             raise ScenarioError(k, "unknown key; keys: description, expect, faults, job, name")
     name = raw.get("name")
-    if not isinstance(name, str) or not name.strip():
-        raise ScenarioError("name", f"must be a non-empty string, got {name!r}")
+    if not isinstance(name, str) or not NAME_RE.fullmatch(name) or name in (".", ".."):  # it names log directories
+        raise ScenarioError("name", f"must be 1-128 of [A-Za-z0-9_.-] and not '.' or '..', got {name!r}")
     raw_job = raw.get("job", {})
     raw_ckpt = raw_elastic = None
     if isinstance(raw_job, dict):  # mappings of their own, validated as such; the caller's dict is left alone
@@ -300,4 +310,6 @@ def load_scenario(path: str | os.PathLike) -> Scenario:
         raise ScenarioError("(file)", f"{e.strerror}: {path}") from None
     except yaml.YAMLError as e:
         raise ScenarioError("(file)", f"not valid YAML: {str(e).splitlines()[0]}") from None
+    except UnicodeDecodeError as e:
+        raise ScenarioError("(file)", f"not UTF-8 text (byte {e.start}): {path}") from None
     return parse_scenario(raw, source=path)

@@ -15,13 +15,14 @@ import hashlib
 import os
 import re
 import struct
-import tempfile
 import time
 import zlib
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import numpy as np
+
+from hp.core.privfs import open_private, private_dir, user_dir
 
 if TYPE_CHECKING:  # torch is imported lazily: a process that only attaches the cache stays light
     import torch
@@ -106,12 +107,11 @@ _HEADER_SIZE = 64  # data starts aligned; the last 4 bytes are a crc32 of bytes 
 
 
 def cache_directory(directory: str | None = None) -> str:
-    """Argument, else $HP_DATA_CACHE_DIR, else /dev/shm (RAM, shared by the node), else the temp dir."""
+    """Argument, else $HP_DATA_CACHE_DIR, else ``/dev/shm/hp-data-<uid>`` (RAM, shared by this user's
+    processes on the node), else the temp dir's: a directory only this user may enter (0700, ours), so
+    that nobody else can read the tokens or plant a cache file under a name we will look up."""
     d = directory or os.environ.get("HP_DATA_CACHE_DIR")
-    if not d:
-        d = "/dev/shm" if os.path.isdir("/dev/shm") and os.access("/dev/shm", os.W_OK) else tempfile.gettempdir()
-    os.makedirs(d, exist_ok=True)
-    return d
+    return str(private_dir(d) if d else user_dir("hp-data"))
 
 
 def _cache_path(key: str, directory: str | None) -> str:
@@ -147,7 +147,7 @@ class TokenCache:
         path = _cache_path(key, directory)
         built = False
         if not os.path.exists(path):
-            with open(path + ".lock", "a+b") as lock:
+            with os.fdopen(open_private(path + ".lock", os.O_RDWR | os.O_CREAT | os.O_APPEND), "a+b") as lock:
                 fcntl.flock(lock, fcntl.LOCK_EX)
                 try:
                     if not os.path.exists(path):
@@ -169,7 +169,7 @@ class TokenCache:
         head = head.ljust(_HEADER_SIZE - 4, b"\0")
         tmp = f"{path}.tmp.{os.getpid()}"
         try:
-            with open(tmp, "wb") as f:
+            with os.fdopen(open_private(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL), "wb") as f:
                 f.write(head + struct.pack("<I", zlib.crc32(head)))
                 f.write(memoryview(arr).cast("B"))
                 f.flush()
@@ -183,8 +183,8 @@ class TokenCache:
     @staticmethod
     def _attach(path: str) -> tuple[np.memmap, int]:
         """Read and check the 64-byte header only, then map the tokens (no data page is touched)."""
-        size = os.path.getsize(path)
-        with open(path, "rb") as f:
+        with os.fdopen(open_private(path, os.O_RDONLY), "rb") as f:  # ours, no symlink: nobody else's tokens
+            size = os.fstat(f.fileno()).st_size
             raw = f.read(_HEADER_SIZE)
         if len(raw) < _HEADER_SIZE:
             raise ValueError(f"{path}: truncated token cache header ({len(raw)} < {_HEADER_SIZE} bytes)")

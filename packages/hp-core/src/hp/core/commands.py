@@ -135,14 +135,21 @@ def _controller(args: argparse.Namespace) -> int:
         raise UsageError("an elastic job needs both --nnodes MIN:MAX and --scaling-policy FILE")
     scaler = load_scaler(args.scaling_policy) if args.scaling_policy is not None else None
     token = read_token(args, required=True)
-    store = get_backend("store", args.store).serve(args.host, 0)
+    try:  # an address this machine does not have, a port in use: one line, not a traceback
+        store = get_backend("store", args.store).serve(args.host, 0)
+    except (OSError, RuntimeError) as e:
+        raise UsageError(f"--host {args.host}: cannot listen there: {str(e).splitlines()[0] if str(e) else e!r}") from None
     config = ControllerConfig(
         nnodes=nnodes, max_nodes=max_nnodes, max_restarts=args.max_restarts, heartbeat_timeout_s=args.heartbeat_timeout,
         store_host=store.host, store_port=store.port, decision_log=args.decision_log,
     )
     controller = (Controller(config, publish=store.store.set) if scaler is None
                   else ElasticController(config, scaler, publish=store.store.set))
-    server = ControlServer(controller, token, args.host, args.port).start()
+    try:
+        server = ControlServer(controller, token, args.host, args.port).start()
+    except OSError as e:
+        store.close()
+        raise UsageError(f"--host {args.host} --port {args.port}: cannot listen there: {e.strerror or e}") from None
     print(f"hp controller: listening on {server.endpoint}, store on {store.host}:{store.port}", flush=True)
     stop = []
     for s in (signal.SIGTERM, signal.SIGINT):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ipaddress
 import os
+import re
 import uuid
 from dataclasses import dataclass, field
 
@@ -50,6 +51,17 @@ def parse_nnodes(text: str) -> tuple[int, int | None]:
     return int(low), int(high) if sep else None
 
 
+NAME_RE = re.compile(r"[A-Za-z0-9_.-]{1,128}")
+
+
+def check_name(value: str, what: str) -> str:
+    """A name that becomes a path component (run id, checkpoint namespace, scenario name): letters,
+    digits, ``_ . -``, at most 128, not ``.`` or ``..``; else a one-line :class:`UsageError`."""
+    if not isinstance(value, str) or not NAME_RE.fullmatch(value) or value in (".", ".."):
+        raise UsageError(f"{what} must be 1-128 of [A-Za-z0-9_.-] and not '.' or '..', got {value!r}")
+    return value
+
+
 @dataclass
 class RunConfig:
     """Everything one ``hp run`` (one node's agent) needs. Mirrors torchrun where it applies."""
@@ -88,6 +100,7 @@ class RunConfig:
     capacity_file: str | None = None  # the ``local`` backend's capacity source (a number of ranks)
 
     def validate(self) -> None:
+        check_name(self.run_id, "--run-id")
         checks = [
             (self.nnodes >= 1, f"--nnodes must be >= 1, got {self.nnodes}"),
             (self.nproc_per_node >= 1, f"--nproc-per-node must be >= 1, got {self.nproc_per_node}"),

@@ -23,7 +23,7 @@ _LAZY = {
     "NoCheckpointError": "hp.tiered_ckpt.reader", "find_latest": "hp.tiered_ckpt.reader",
     "sources_for": "hp.tiered_ckpt.sources", "PersistentTier": "hp.tiered_ckpt.persist",
     "DaemonClient": "hp.tiered_ckpt.client", "Daemon": "hp.tiered_ckpt.daemon",
-    "DaemonConfig": "hp.tiered_ckpt.daemon",
+    "DaemonConfig": "hp.tiered_ckpt.daemon", "UnsafeItemError": "hp.tiered_ckpt.fmt",
 }
 
 __all__ = ["TieredConfig", *_LAZY]

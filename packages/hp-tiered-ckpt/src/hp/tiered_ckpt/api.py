@@ -5,6 +5,8 @@ script's state dict (model, optimizer, DTensor/FSDP shards, extra objects) is wh
 
 from __future__ import annotations
 
+import logging
+
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -13,9 +15,12 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
 from hp.core.errors import HpError
 from hp.tiered_ckpt.config import TieredConfig
-from hp.tiered_ckpt.reader import CheckpointRef, NoCheckpointError, TieredReader, find_latest
+from hp.tiered_ckpt.fmt import UnsafeItemError
+from hp.tiered_ckpt.reader import CheckpointCorruptError, CheckpointRef, NoCheckpointError, TieredReader, find_latest
 from hp.tiered_ckpt.sources import sources_for
 from hp.tiered_ckpt.writer import TieredWriter
+
+log = logging.getLogger("hp.tiered_ckpt")
 
 
 def save(state_dict: dict, step: int, cfg: TieredConfig, force: bool = False) -> bool:
@@ -39,22 +44,22 @@ def save(state_dict: dict, step: int, cfg: TieredConfig, force: bool = False) ->
     return True
 
 
-def latest(cfg: TieredConfig, step: int | None = None) -> CheckpointRef:
-    """The newest complete checkpoint of ``cfg.namespace`` in any tier, and which tier holds it
-    (fastest first): the job-level rung of the recovery ladder starts here."""
-    return find_latest(sources_for(cfg), step)
+def latest(cfg: TieredConfig, step: int | None = None, below: int | None = None) -> CheckpointRef:
+    """The newest complete checkpoint of ``cfg.namespace`` in any tier (older than ``below`` if given),
+    and which tier holds it (fastest first): the job-level rung of the recovery ladder starts here."""
+    return find_latest(sources_for(cfg), step, below)
 
 
-def _agreed_step(cfg: TieredConfig, step: int | None) -> int:
+def _agreed_step(cfg: TieredConfig, step: int | None, below: int | None = None) -> int:
     """Every rank must load the same step: rank 0 decides and broadcasts it as a tensor (a number
     needs no pickle); -1 tells the others rank 0 has none, so that every rank raises, not only rank 0."""
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return latest(cfg, step).step
+        return latest(cfg, step, below).step
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
     chosen, error = -1, None
     if dist.get_rank() == 0:
         try:
-            chosen = latest(cfg, step).step
+            chosen = latest(cfg, step, below).step
         except Exception as e:  # none, or the tiers unreadable: the others must not wait for rank 0
             error = e
     box = torch.tensor([chosen], dtype=torch.int64, device=device)
@@ -69,13 +74,38 @@ def _agreed_step(cfg: TieredConfig, step: int | None) -> int:
 
 def load(state_dict: dict, cfg: TieredConfig, step: int | None = None) -> TieredReader:
     """Load the newest complete checkpoint (or ``step``) into ``state_dict`` in place, resharding to
-    the current world size. Returns the reader: ``.step``, ``.ref.tier``, ``.tiers_used``, ``.fallbacks``."""
-    reader = TieredReader(sources_for(cfg), _agreed_step(cfg, step))
-    try:
-        dcp.load(state_dict, storage_reader=reader)
-    except CheckpointException as e:
-        _reraise(e, f"load of step {reader.step} failed")
-    return reader
+    the current world size. Returns the reader: ``.step``, ``.ref.tier``, ``.tiers_used``,
+    ``.fallbacks`` (tiers skipped item by item) and ``.skipped`` (steps skipped whole).
+
+    With no ``step`` asked for, a step of which no tier holds a good copy of some item (corrupt,
+    truncated, or refused because it would need unpickling) is skipped for the next older complete
+    one, with a warning: every item of the older step is loaded, so nothing of the bad one remains.
+    DCP raises a failed read on every rank, so all ranks skip together. With none left, the newest
+    step's error is raised."""
+    skipped: list[str] = []
+    first: HpError | None = None
+    below: int | None = None
+    while True:
+        try:
+            chosen = _agreed_step(cfg, step, below)
+        except NoCheckpointError:
+            if first is None:
+                raise
+            raise first from None
+        reader = TieredReader(sources_for(cfg), chosen)
+        try:
+            dcp.load(state_dict, storage_reader=reader)
+        except CheckpointException as e:
+            bad = next((c for c, _ in e.failures.values() if isinstance(c, (CheckpointCorruptError, UnsafeItemError))),
+                       None)
+            if step is not None or bad is None:
+                _reraise(e, f"load of step {chosen} failed")
+            log.warning("step %d has no good copy (%s); trying an older step", chosen, bad)
+            skipped.append(f"step {chosen}: {bad}")
+            first, below = first or bad, chosen
+            continue
+        reader.skipped = skipped
+        return reader
 
 
 def _reraise(e: CheckpointException, what: str):

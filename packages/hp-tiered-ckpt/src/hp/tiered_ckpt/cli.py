@@ -10,10 +10,12 @@ import importlib.util
 import json
 import os
 import sys
-from pathlib import Path
 
 from hp.core.auth import token_from_env
+from hp.core.config import check_name
 from hp.core.errors import UsageError
+from hp.core.privfs import private_dir, user_dir
+from hp.tiered_ckpt import wire
 from hp.core.hookspecs import hookimpl
 
 
@@ -42,7 +44,11 @@ def _daemon(args: argparse.Namespace) -> int:
     if args.replicas > len(peers):
         print(f"hp ckpt daemon: warning: --replicas {args.replicas} but only {len(peers)} peers", file=sys.stderr)
     host, port = _addr(args.listen, any_port=True)
-    main(DaemonConfig(root=Path(args.dir), token=_token(), host=host, port=port, peers=peers,
+    try:  # the slots hold the job's weights: a directory only this user may enter
+        root = private_dir(args.dir) if args.dir else user_dir("hp-ckpt")
+    except OSError as e:
+        raise UsageError(f"--dir {args.dir}: {e.strerror or e}") from None
+    main(DaemonConfig(root=root, token=_token(), host=host, port=port, peers=peers,
                       replicas=args.replicas, keep_memory=args.keep_memory,
                       keep_persistent=args.keep_persistent), ready_file=args.ready_file,
          parent_pid=args.parent_pid)
@@ -53,12 +59,19 @@ def _target(args: argparse.Namespace):
     """The tier named on the command line: ``--url`` (persistent) or ``--daemon`` (memory)."""
     if bool(args.url) == bool(args.daemon):
         raise UsageError("give exactly one of --url URL (persistent tier) or --daemon HOST:PORT (memory tier)")
-    if not args.namespace or "/" in args.namespace:
-        raise UsageError(f"bad namespace {args.namespace!r}")
+    check_name(args.namespace, "namespace")
     if args.url:
         from hp.tiered_ckpt.persist import PersistentTier
 
-        return PersistentTier(args.url, args.namespace)
+        try:
+            tier = PersistentTier(args.url, args.namespace)
+            found = tier.fs.exists(tier.root)
+        except Exception as e:  # noqa: BLE001  an unknown protocol, a bucket we may not list, ...
+            raise UsageError(f"--url {args.url}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+                             ) from None
+        if not found:
+            raise UsageError(f"--url {args.url}: no such location")
+        return tier
     from hp.tiered_ckpt.client import DaemonClient
 
     return DaemonClient(_addr(args.daemon), _token())
@@ -66,8 +79,9 @@ def _target(args: argparse.Namespace):
 
 def _ls(args: argparse.Namespace) -> int:
     t = _target(args)
-    if args.url:
-        rows = [{"step": s, "tier": "persistent", "complete": ok} for s, ok in sorted(t.steps().items())]
+    if args.url:  # complete: committed, and every file the size its manifest says (a truncated upload is not)
+        rows = [{"step": s, "tier": "persistent", "complete": ok and not t.size_problems(s)}
+                for s, ok in sorted(t.steps().items())]
     else:
         rows = [{"step": s["step"], "tier": "memory", "complete": s["complete"], "world": s["world"],
                  "ranks": s["ranks"]} for s in t.steps(args.namespace)]
@@ -84,6 +98,9 @@ def _verify(args: argparse.Namespace) -> int:
     if not args.url:
         raise UsageError("verify re-reads the persistent tier: give --url (the memory tier is verified on every read)")
     steps = [args.step] if args.step is not None else sorted(t.steps())
+    if not steps:
+        print(f"no steps of {args.namespace} at {args.url}: nothing to verify", file=sys.stderr)
+        return 1
     bad = 0
     for s in steps:
         problems = t.verify(s)
@@ -95,8 +112,9 @@ def _verify(args: argparse.Namespace) -> int:
 
 
 def _gc(args: argparse.Namespace) -> int:
-    if args.keep < 0:
-        raise UsageError("--keep must be >= 0")
+    if args.keep < 1:
+        raise UsageError(f"--keep must be >= 1 (gc keeps the newest complete steps; it never deletes a job's last "
+                         f"one), got {args.keep}")
     t = _target(args)
     removed = t.gc(args.keep) if args.url else t.gc(args.namespace, args.keep)
     print(json.dumps({"removed": removed}))
@@ -130,7 +148,8 @@ def add_bench_ckpt(bench: argparse._SubParsersAction) -> None:
 
 def add_daemon_args(d: argparse.ArgumentParser) -> None:
     d.add_argument("--listen", default=os.environ.get("HP_CKPT_DAEMON", "127.0.0.1:29480"), help="HOST:PORT to bind")
-    d.add_argument("--dir", default="/dev/shm/hp-ckpt", help="where shards live (a tmpfs)")
+    d.add_argument("--dir", default=None, help="where shards live, a tmpfs (default /dev/shm/hp-ckpt-<uid>: "
+                                               "0700, this user's only)")
     d.add_argument("--peers", default=os.environ.get("HP_CKPT_PEERS", ""), help="other nodes' daemons, ring order")
     d.add_argument("--replicas", type=int, default=1)
     d.add_argument("--keep-memory", type=int, default=2)
@@ -138,6 +157,17 @@ def add_daemon_args(d: argparse.ArgumentParser) -> None:
     d.add_argument("--ready-file", default=None, help="write HOST:PORT here once listening")
     d.add_argument("--parent-pid", type=int, default=None, help="exit once this process is no longer the parent")
     d.set_defaults(handler=_daemon)
+
+
+def _one_line(fn):
+    """A tier that cannot be reached or answers nonsense is one line (exit 2), not a traceback."""
+    def run(args: argparse.Namespace) -> int:
+        where = args.url or args.daemon
+        try:
+            return fn(args)
+        except (OSError, ValueError, KeyError, TypeError, wire.WireError) as e:
+            raise UsageError(f"{where}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}") from None
+    return run
 
 
 @hookimpl(trylast=True)
@@ -150,7 +180,7 @@ def hp_cli_commands(subparsers: argparse._SubParsersAction) -> None:
                            ("gc", _gc, "apply retention: keep the newest --keep complete steps")):
         s = sub.add_parser(name, help=text)
         _add_target(s)
-        s.set_defaults(handler=fn)
+        s.set_defaults(handler=_one_line(fn))
         if name == "verify":
             s.add_argument("--step", type=int, default=None)
         if name == "gc":

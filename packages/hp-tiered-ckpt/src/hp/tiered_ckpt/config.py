@@ -6,6 +6,7 @@ import os
 from dataclasses import dataclass, field
 
 from hp.core.auth import token_from_env
+from hp.core.config import check_name
 from hp.core.errors import UsageError
 from hp.tiered_ckpt.wire import parse_addr
 
@@ -36,8 +37,7 @@ class TieredConfig:
     token: str | None = None
 
     def __post_init__(self) -> None:
-        if not self.namespace or "/" in self.namespace or self.namespace.startswith("."):
-            raise UsageError(f"namespace must be a non-empty name without '/', got {self.namespace!r}")
+        check_name(self.namespace, "checkpoint namespace")
         for name in ("memory_every", "persist_every"):
             if getattr(self, name) < 1:
                 raise UsageError(f"{name} must be >= 1, got {getattr(self, name)}")

@@ -9,6 +9,12 @@ tensor items are ``torch.save`` images, and the pickled ``.metadata``) so that p
 - ``hp_rank<r>.json``: per file, its size and every item's (offset, length, crc32);
 - ``hp_COMMIT``: written last; a step without it is never loaded.
 
+Non-tensor items (ints, optimizer ``param_groups``, scheduler state) are DCP's: ``torch.save``
+pickles. DCP's own load planner unpickles them with ``weights_only=False``, which runs whatever a
+rewritten item names; hp decodes each with ``weights_only=True`` first (:func:`load_bytes_item`: plain
+Python values and tensors only) and refuses, naming the item, what would need more. Plain
+``dcp.load`` of the same directory trusts the storage: use it only on storage you trust.
+
 Tensor items are laid out so that the training process only copies tensor bytes: the
 ``torch.save`` image of a tensor of a given dtype and shape is the same bytes around the data
 whatever the values, so the image's prefix and suffix are built once and reused (CRC32 fields of
@@ -22,6 +28,8 @@ import io
 import struct
 import zipfile
 from dataclasses import dataclass
+
+from hp.core.errors import HpError
 
 COMMIT = "hp_COMMIT"
 META_JSON = "hp_metadata.json"
@@ -88,6 +96,29 @@ def tensor_image(dtype_name: str, shape: tuple[int, ...]) -> TensorImage:
     name_len, extra_len = struct.unpack("<HH", raw[info.header_offset + 26:info.header_offset + 30])
     start = info.header_offset + 30 + name_len + extra_len
     return TensorImage(bytes(raw[:start]), info.file_size, bytes(raw[start + info.file_size:]))
+
+
+class UnsafeItemError(HpError):
+    """A checkpoint item that only a full unpickler could load (it names code to run): refused."""
+
+
+def load_bytes_item(data: bytes, fqn: str):
+    """A non-tensor item's value, decoded without running anything it names (``weights_only=True``).
+
+    Raises :class:`UnsafeItemError` naming ``fqn`` when the bytes need more than plain Python values
+    and tensors, and ``ValueError`` when they are no ``torch.save`` image at all."""
+    import pickle
+
+    import torch
+
+    try:
+        return torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        what = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
+        raise UnsafeItemError(f"checkpoint item {fqn!r} would need unpickling arbitrary objects, refused "
+                              f"(hp loads tensors and plain Python values only): {what}") from None
+    except Exception as e:  # noqa: BLE001  a torn or foreign item: corrupt, not unsafe
+        raise ValueError(f"checkpoint item {fqn!r} is not a torch.save image: {type(e).__name__}: {e}") from None
 
 
 # --- DCP Metadata <-> JSON (so that reading never needs pickle) --------------------------------

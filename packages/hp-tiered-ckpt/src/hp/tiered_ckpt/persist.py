@@ -118,12 +118,36 @@ class PersistentTier:
     def fetch(self, step: int, rank: int, offset: int, length: int) -> bytes:
         return self.fs.cat_file(self.path(step, fmt.rank_file(rank)), start=offset, end=offset + length)
 
+    def size_problems(self, step: int) -> list[str]:
+        """A committed step whose files are not the sizes its manifests say (truncated, missing):
+        what ``hp ckpt ls`` checks without reading the data (``verify`` reads it all)."""
+        problems = []
+        try:
+            _, files = self.manifest(step)
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            return [f"step {step}: unreadable commit marker or manifest: {type(e).__name__}: {e}"]
+        for rank, man in files.items():
+            name = fmt.rank_file(rank)
+            try:
+                size = self.fs.size(self.path(step, name))
+            except FileNotFoundError:
+                problems.append(f"step {step}: {name} missing")
+                continue
+            if size != man["nbytes"]:
+                problems.append(f"step {step}: {name} is {size} bytes, expected {man['nbytes']} (truncated?)")
+        return problems
+
     def verify(self, step: int) -> list[str]:
         """Problems found re-reading a step: missing marker, size or per-item CRC mismatches."""
         problems: list[str] = []
         if not self.exists(step, fmt.COMMIT):
             return [f"step {step}: no commit marker (incomplete upload)"]
-        _, files = self.manifest(step)
+        try:
+            meta, files = self.manifest(step)
+            byte_items = {(path, off, n): fqn for fqn, _, _, path, off, n in meta["storage_data"]
+                          if meta["state_dict_metadata"].get(fqn, {}).get("kind") == "bytes"}
+        except (OSError, ValueError, KeyError, TypeError) as e:  # a bad commit, world, manifest or metadata
+            return [f"step {step}: unreadable commit marker, manifest or metadata: {type(e).__name__}: {e}"]
         for rank, man in files.items():
             name = fmt.rank_file(rank)
             try:
@@ -136,6 +160,12 @@ class PersistentTier:
             for off, n, crc in man["items"]:
                 if zlib.crc32(data[off:off + n]) != crc:
                     problems.append(f"step {step}: {name} item at {off}+{n}: checksum mismatch")
+            for (path, off, n), fqn in byte_items.items():
+                if path == name and len(data) >= off + n:
+                    try:
+                        fmt.load_bytes_item(data[off:off + n], fqn)
+                    except (fmt.UnsafeItemError, ValueError) as e:
+                        problems.append(f"step {step}: {e}")
         return problems
 
     def remove(self, step: int) -> None:

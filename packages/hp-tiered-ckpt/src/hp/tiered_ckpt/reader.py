@@ -42,18 +42,34 @@ class CheckpointRef:
     tiers: tuple[str, ...]  # every tier holding it complete, fastest first
 
 
-def find_latest(sources: list[Source], step: int | None = None) -> CheckpointRef:
-    """Newest complete step in any tier (or ``step`` itself), with the tiers that hold it."""
+def find_latest(sources: list[Source], step: int | None = None, below: int | None = None) -> CheckpointRef:
+    """Newest complete step in any tier (or ``step`` itself; or the newest older than ``below``),
+    with the tiers that hold it."""
     held = {s.tier: set(s.complete_steps()) for s in sources}
     candidates = set().union(*held.values()) if held else set()
     if step is not None:
         candidates &= {step}
+    if below is not None:
+        candidates = {s for s in candidates if s < below}
     if not candidates:
-        what = f"step {step}" if step is not None else "any step"
+        what = f"step {step}" if step is not None else "any step" if below is None else f"a step before {below}"
         raise NoCheckpointError(f"no complete checkpoint of {what} in tiers {[s.tier for s in sources]}")
     best = max(candidates)
     tiers = tuple(s.tier for s in sources if best in held[s.tier])
     return CheckpointRef(best, tiers[0], tiers)
+
+
+def _safe_bytes(data: bytes, fqn: str) -> io.BytesIO:
+    """The item re-saved from its safely decoded value: DCP's planner unpickles what it is handed
+    with ``weights_only=False``, so it gets bytes hp wrote from plain values, never the stored ones."""
+    try:
+        value = fmt.load_bytes_item(data, fqn)
+    except ValueError as e:
+        raise CheckpointCorruptError(str(e)) from None
+    buf = io.BytesIO()
+    torch.save(value, buf)
+    buf.seek(0)
+    return buf
 
 
 class TieredReader(StorageReader):
@@ -64,6 +80,7 @@ class TieredReader(StorageReader):
         self._manifests: dict[str, dict[int, dict]] = {}
         self.tiers_used: set[str] = set()
         self.fallbacks: list[str] = []
+        self.skipped: list[str] = []  # whole steps skipped before this one (api.load)
 
     @property
     def step(self) -> int:
@@ -128,7 +145,7 @@ class TieredReader(StorageReader):
             info = self.storage_data[req.storage_index]
             data = self.read_item(info.relative_path, info.offset, info.length)
             if req.type == LoadItemType.BYTE_IO:
-                planner.load_bytes(req, io.BytesIO(data))
+                planner.load_bytes(req, _safe_bytes(data, req.storage_index.fqn))
                 continue
             tensor = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
             tensor = narrow_tensor_by_index(tensor, req.storage_offsets, req.lengths)

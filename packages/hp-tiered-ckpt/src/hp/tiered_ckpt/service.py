@@ -9,7 +9,7 @@ The daemon is a process of its own, so a worker that crashes loses nothing; it l
 again does not know the files of the one before (the persistent tier is what outlives a job).
 
 Options (``--service ckpt:KEY=VALUE,...``): ``replicas`` (1), ``keep_memory`` (2), ``keep_persistent``
-(3), ``port`` (0: any free port), ``dir`` (default ``/dev/shm/hp-ckpt/<run id>/node<rank>``), ``url``.
+(3), ``port`` (0: any free port), ``dir`` (default ``/dev/shm/hp-ckpt-<uid>/<run id>/node<rank>``, 0700), ``url``.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from hp.core.privfs import user_dir
 from hp.core.errors import UsageError
 from hp.core.hookspecs import hookimpl
 from hp.core.services import NodeContext, ServiceError
@@ -114,7 +115,7 @@ class CheckpointDaemonService:
             if ints[key] < 0:
                 raise UsageError(f"--service ckpt: {key} must be >= 0, got {ints[key]}")
         owns_root = "dir" not in opts
-        root = Path(opts.get("dir") or f"/dev/shm/hp-ckpt/{node.run_id}/node{node.node_rank}")
+        root = Path(opts.get("dir") or user_dir("hp-ckpt") / node.run_id / f"node{node.node_rank}")
         os.makedirs(os.path.join(node.log_dir, "services"), exist_ok=True)
         ready = Path(node.log_dir, "services", f"ckpt.node{node.node_rank}.ready")
         ready.unlink(missing_ok=True)

@@ -17,6 +17,8 @@ import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from hp.core.config import NAME_RE
+from hp.core.privfs import open_private, private_dir
 from hp.tiered_ckpt import fmt
 
 
@@ -62,12 +64,12 @@ class MemoryStore:
         self.lock = threading.Condition()
         self.steps: dict[str, dict[int, StepRec]] = {}
         self.slots: dict[tuple[str, int], list[int | None]] = {}   # (ns, rank) -> step held by slot k
-        root.mkdir(parents=True, exist_ok=True)
+        private_dir(root)  # the job's weights: no other local user may read them or plant a slot
 
     def _ns_dir(self, ns: str) -> Path:
-        if not ns or "/" in ns or ns.startswith("."):
+        if not NAME_RE.fullmatch(ns or "") or ns in (".", ".."):  # a name from the wire becomes a directory
             raise ValueError(f"bad namespace {ns!r}")
-        return self.root / ns
+        return private_dir(self.root / ns)
 
     def slot_path(self, ns: str, rank: int, k: int) -> Path:
         return self._ns_dir(ns) / "slots" / f"rank{rank}.{k}.buf"
@@ -101,10 +103,13 @@ class MemoryStore:
                 pool.append(None)
             pool[k] = step
             path = self.slot_path(ns, rank, k)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with open(path, "ab") as f:
-            if f.seek(0, os.SEEK_END) < nbytes:
-                f.truncate(nbytes)
+        private_dir(path.parent)
+        fd = open_private(path, os.O_RDWR | os.O_CREAT)
+        try:
+            if os.fstat(fd).st_size < nbytes:
+                os.ftruncate(fd, nbytes)
+        finally:
+            os.close(fd)
         return str(path)
 
     def _pick(self, ns: str, rank: int, step: int, pool: list[int | None]) -> int | None:
@@ -170,12 +175,11 @@ class MemoryStore:
                     write) -> None:
         """Store a peer's file: written to a temporary name, renamed only once complete and verified,
         so a peer dying mid-transfer leaves the copies we already had untouched."""
-        d = self._ns_dir(ns) / "replicas" / fmt.step_dir(step)
-        d.mkdir(parents=True, exist_ok=True)
+        d = private_dir(self._ns_dir(ns) / "replicas" / fmt.step_dir(step))
         final = d / fmt.rank_file(rank)
         tmp = d / (fmt.rank_file(rank) + f".partial{threading.get_ident()}")
         try:
-            with open(tmp, "wb") as out:
+            with os.fdopen(open_private(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), "wb") as out:
                 write(out)
             if tmp.stat().st_size != nbytes:
                 raise ValueError(f"replica is {tmp.stat().st_size} bytes, header said {nbytes}")
@@ -223,11 +227,17 @@ class MemoryStore:
         shutil.rmtree(self._ns_dir(ns) / "replicas" / fmt.step_dir(step), ignore_errors=True)
 
     def gc(self, ns: str, keep: int) -> list[int]:
-        """Forget steps beyond the newest ``keep`` (slot files stay allocated for reuse)."""
+        """Keep the newest ``keep`` *complete* steps and every step after the oldest of them (saves
+        still arriving); forget older ones. A step still being uploaded or read stays. ``keep`` 0
+        forgets everything (job end); with no complete step nothing goes: an incomplete newer step
+        never pushes out the only complete one. Slot files stay allocated for reuse."""
         with self.lock:
-            steps = sorted(self.steps.get(ns, {}), reverse=True)
-            gone = [s for s in steps[max(keep, 0):] if not self.steps[ns][s].pinned
-                    and not any(f.busy for f in self.steps[ns][s].files.values())]
+            recs = self.steps.get(ns, {})
+            steps = sorted(recs, reverse=True)
+            if keep > 0:
+                kept = [s for s in steps if recs[s].complete()][:keep]
+                steps = [s for s in steps if kept and s < min(kept)]
+            gone = [s for s in steps if not recs[s].pinned and not any(f.busy for f in recs[s].files.values())]
             for s in gone:
                 self._forget(ns, s)
             self.lock.notify_all()

@@ -20,6 +20,7 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItemType
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 
+from hp.core.privfs import open_private
 from hp.tiered_ckpt import fmt
 from hp.tiered_ckpt.client import DaemonClient
 from hp.tiered_ckpt.config import TieredConfig
@@ -30,7 +31,7 @@ class _Mapping:
 
     def __init__(self, path: str) -> None:
         self.path = path
-        self.fd = os.open(path, os.O_RDWR)
+        self.fd = open_private(path, os.O_RDWR)  # the daemon's slot: ours, never a symlink
         st = os.fstat(self.fd)
         self.size, self.ino = st.st_size, st.st_ino
         self.mm = mmap.mmap(self.fd, self.size)
