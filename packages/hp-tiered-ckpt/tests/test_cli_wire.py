@@ -118,6 +118,35 @@ def test_frames_are_authenticated_and_capped(daemons, token):
     assert "authentication failed" in out and "exceeds" in out
 
 
+def test_idle_connections_announcing_big_headers_cost_the_daemon_no_memory(daemons, token):
+    """#13 finding 5 (DoS): 4 MiB was allocated per connection before authentication; 40 stalled
+    connections took a daemon from 28 to 188 MiB."""
+    import time
+
+    def rss_mib(pid: int) -> float:
+        with open(f"/proc/{pid}/status") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:")) / 1024
+
+    node = daemons("node0", replicas=0)
+    with socket.create_connection(("127.0.0.1", node.port)) as s:
+        assert wire.exchange(s, token, {"op": "ping"})[0]["ok"]
+    before = rss_mib(node.proc.pid)
+    socks = []
+    try:
+        for _ in range(40):
+            s = socket.create_connection(("127.0.0.1", node.port))
+            s.sendall(wire.MAX_HEADER.to_bytes(4, "big") + b"0" * 64 + b"{")  # then nothing
+            socks.append(s)
+        time.sleep(1.0)  # every handler thread is in its read by now
+        grown = rss_mib(node.proc.pid) - before
+        assert grown < 40, f"40 stalled connections grew the daemon by {grown:.0f} MiB"
+        with socket.create_connection(("127.0.0.1", node.port)) as s:  # and it still answers
+            assert wire.exchange(s, token, {"op": "ping"})[0]["ok"]
+    finally:
+        for s in socks:
+            s.close()
+
+
 def test_seal_accepts_only_the_slot_the_daemon_handed_out(daemons, token):
     from hp.tiered_ckpt.client import DaemonClient
 

@@ -24,6 +24,7 @@ from hp.tiered_ckpt.persist import PersistentTier
 from hp.tiered_ckpt.store import FileRec, MemoryStore
 
 log = logging.getLogger("hp.tiered_ckpt.daemon")
+MAX_CONNECTIONS = 256  # workers keep one open each, peers a few: a node holds far fewer
 
 
 @dataclass
@@ -51,9 +52,17 @@ class Daemon:
         self._waiting: list[dict] = []                # upload jobs queued and not started (store.lock)
         daemon = self
 
+        slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
+
         class Handler(socketserver.BaseRequestHandler):
             def handle(self) -> None:
-                daemon._serve(self.request)
+                if not slots.acquire(blocking=False):  # a flood of connections gets closed, not a thread each
+                    log.warning("refused a connection: %d already open", MAX_CONNECTIONS)
+                    return
+                try:
+                    daemon._serve(self.request)
+                finally:
+                    slots.release()
 
         class Server(socketserver.ThreadingTCPServer):
             daemon_threads = True

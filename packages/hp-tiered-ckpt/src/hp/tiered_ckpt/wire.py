@@ -31,6 +31,18 @@ class RefusedError(WireError):
     """The daemon understood the request and refused it (its reason is the message)."""
 
 
+def _recv_growing(sock: socket.socket, n: int) -> bytes:
+    """``n`` bytes, the buffer growing with what arrived: an unauthenticated header may announce up
+    to MAX_HEADER bytes, and a connection that announces them and sends nothing must not hold them."""
+    buf = bytearray()
+    while len(buf) < n:
+        chunk = sock.recv(min(n - len(buf), 64 << 10))
+        if not chunk:
+            raise WireError(f"peer closed the connection after {len(buf)} of {n} bytes")
+        buf += chunk
+    return bytes(buf)
+
+
 def _recv_exact(sock: socket.socket, n: int) -> bytes:
     buf = bytearray(n)
     view = memoryview(buf)
@@ -69,7 +81,7 @@ def recv_header(sock: socket.socket, token: str) -> dict:
     if n > MAX_HEADER:
         raise WireError(f"header of {n} bytes exceeds the {MAX_HEADER}-byte cap")
     sig = _recv_exact(sock, _SIG_LEN).decode("ascii", "replace")
-    body = _recv_exact(sock, n)
+    body = _recv_growing(sock, n)  # not yet authenticated: memory only for what the peer really sent
     try:
         head = verify_request(token, body, sig)
     except AuthError as e:
