@@ -346,7 +346,8 @@ class Context:
         (``on_scale``), on every rank alike: a survivor's, a joiner's hydrated from a survivor, a job's
         restored from a checkpoint taken at another size. A rank pins itself to its core here when
         ``HP_PIN_CORES=1`` (benchmarks: a promoted spare takes the dead rank's core)."""
-        pin_to_core(self.rank)
+        if self._formation.rank >= 0:  # a process left out of the new group (a joiner not taken) has none
+            pin_to_core(self._formation.rank)
         st, new_world = self._training, self._link.world_size
         if st.world and st.world != new_world and self._on_scale is not None:
             self._on_scale(st.world, new_world)
