@@ -13,6 +13,7 @@ import contextlib
 import io
 import json
 import os
+from unittest.mock import patch
 
 import pytest
 
@@ -26,19 +27,10 @@ def run(s3):
     """One real run through the ``hp`` entry point, in process: (exit code, stdout, stderr)."""
     from hp.core.cli import main
 
-    saved = {k: os.environ.get(k) for k in s3.env()}
-    os.environ.update(s3.env())
     out, err = io.StringIO(), io.StringIO()
-    try:
-        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-            code = main(["bench", "ckpt", "--params", "2e4", "--saves", str(SAVES), "--rounds", str(ROUNDS),
-                         "--json", "--url", f"s3://{s3.bucket}/bench"])
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+    with patch.dict(os.environ, s3.env()), contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main(["bench", "ckpt", "--params", "2e4", "--saves", str(SAVES), "--rounds", str(ROUNDS),
+                     "--json", "--url", f"s3://{s3.bucket}/bench"])
     return code, out.getvalue(), err.getvalue()
 
 

@@ -25,6 +25,7 @@ import signal
 import sys
 from dataclasses import dataclass, field
 from typing import Any
+from unittest.mock import patch
 
 from hp.core.workers import ExitStatus, Worker, exit_status
 
@@ -49,16 +50,8 @@ def warm(env: dict[str, str]) -> None:
     from multiprocessing import forkserver
 
     _context()
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
+    with patch.dict(os.environ, env):  # the server inherits the workers' environment, this process keeps its own
         forkserver.ensure_running()
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def _run(command: list[str], env: dict[str, str], stdout: str, stderr: str) -> None:

@@ -41,6 +41,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from unittest.mock import patch
 
 from hp.core.auth import new_token
 from hp.core.benchmeta import BenchRun, spread
@@ -486,17 +487,9 @@ def run_bench_cli(args: argparse.Namespace) -> int:
             except FileNotFoundError as e:
                 raise UsageError(f"{e} (or give --url s3://... with AWS credentials in the environment)") from None
             with server as s3:
-                saved = {k: os.environ.get(k) for k in s3.env()}
-                os.environ.update(s3.env())
-                try:
+                with patch.dict(os.environ, s3.env()):
                     result = run_bench(args.params, args.saves, f"s3://{s3.bucket}/bench", workdir, log,
                                        rounds=args.rounds)
-                finally:
-                    for k, v in saved.items():
-                        if v is None:
-                            os.environ.pop(k, None)
-                        else:
-                            os.environ[k] = v
     finally:
         if not args.dir:  # ours: a temporary directory (the daemons' logs); kept when --dir was given
             shutil.rmtree(workdir, ignore_errors=True)

@@ -43,7 +43,7 @@ import signal
 from datetime import timedelta
 from typing import Any
 
-from hp.chaos.baselines.torchrun_dcp import corpus_key, process_start_time
+from hp.chaos.baselines.torchrun_dcp import add_model_args, corpus_key, process_start_time
 from hp.core.protocol import Event
 
 MODULE = "hp.chaos.baselines.nvrx_train"
@@ -60,13 +60,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--nvrx-port", type=int, required=True, help="port of NVRx's own TCPStore")
     p.add_argument("--nvrx", default="{}", help="JSON: inprocess.Wrapper's timedelta arguments, in seconds")
     p.add_argument("--gloo-timeout", type=float, default=2.0, help="seconds")
-    p.add_argument("--model-size", default="tiny")
-    p.add_argument("--vocab", type=int, default=256)
-    p.add_argument("--seq", type=int, default=64)
-    p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--dropout", type=float, default=0.1)
-    p.add_argument("--corpus-mb", type=int, default=16)
-    p.add_argument("--seed", type=int, default=0)
+    add_model_args(p)
     return p.parse_args(argv)
 
 
@@ -93,30 +87,58 @@ def _pin(rank: int) -> None:
     pin_to_core(rank)
 
 
+def _tag(x: Any) -> Any:
+    """Tuples survive JSON as ``{"__tuple__": [...]}`` (an optimizer's ``betas`` must stay a tuple:
+    the state is compared bit for bit, structure included)."""
+    if isinstance(x, tuple):
+        return {"__tuple__": [_tag(v) for v in x]}
+    if isinstance(x, list):
+        return [_tag(v) for v in x]
+    if isinstance(x, dict):
+        return {k: _tag(v) for k, v in x.items()}
+    return x
+
+
+def _untag(x: Any) -> Any:
+    if isinstance(x, dict):
+        return tuple(_untag(v) for v in x["__tuple__"]) if set(x) == {"__tuple__"} else {k: _untag(v) for k, v in x.items()}
+    return [_untag(v) for v in x] if isinstance(x, list) else x
+
+
+def _broadcast_json(obj: Any, rank: int, src: int) -> Any:
+    """A JSON value from rank ``src`` to every rank: its length, then its UTF-8 bytes, as tensors (a
+    peer's bytes are never unpickled, which ``broadcast_object_list`` would do)."""
+    import torch
+    import torch.distributed as dist
+
+    data = json.dumps(_tag(obj)).encode() if rank == src else b""
+    size = torch.tensor([len(data)], dtype=torch.int64)
+    dist.broadcast(size, src=src)
+    buf = torch.frombuffer(bytearray(data), dtype=torch.uint8) if rank == src else torch.empty(int(size), dtype=torch.uint8)
+    dist.broadcast(buf, src=src)
+    return _untag(json.loads(bytes(buf.numpy())))
+
+
 def hydrate(job: Job, rank: int, src: int = 0) -> int:
     """Every active rank: rank ``src``'s model, optimizer, scheduler, step and RNG, by broadcast.
 
-    Small things go by ``broadcast_object_list``, tensors one ``broadcast`` each. Returns the bytes
-    of tensors broadcast."""
+    Small things go as JSON (:func:`_broadcast_json`), tensors one ``broadcast`` each. Returns the
+    bytes of tensors broadcast."""
     import torch
     import torch.distributed as dist
 
     model, optimizer, scheduler = job.model, job.optimizer, job.scheduler
     if rank == src:
         osd = optimizer.state_dict()
-        layout = {pid: {k: (list(v.shape), str(v.dtype).removeprefix("torch.")) if torch.is_tensor(v) else v
-                        for k, v in s.items()} for pid, s in osd["state"].items()}
-        meta = {"step": job.committed, "scheduler": scheduler.state_dict(), "rng": job.rng,
+        layout = {str(pid): {k: {"shape": list(v.shape), "dtype": str(v.dtype).removeprefix("torch.")}
+                             if torch.is_tensor(v) else v for k, v in s.items()} for pid, s in osd["state"].items()}
+        meta = {"step": job.committed, "scheduler": scheduler.state_dict(), "rng": job.rng.tolist(),
                 "param_groups": osd["param_groups"], "layout": layout}
         state = osd["state"]
-    else:
-        meta = None
-    box = [meta]
-    dist.broadcast_object_list(box, src=src)
-    meta = box[0]
+    meta = _broadcast_json(meta if rank == src else None, rank, src)
     if rank != src:
-        state = {pid: {k: torch.empty(v[0], dtype=getattr(torch, v[1])) if isinstance(v, tuple) else v
-                       for k, v in s.items()} for pid, s in meta["layout"].items()}
+        state = {int(pid): {k: torch.empty(v["shape"], dtype=getattr(torch, v["dtype"])) if isinstance(v, dict) else v
+                            for k, v in s.items()} for pid, s in meta["layout"].items()}
     tensors = [*model.parameters(), *model.buffers()]
     tensors += [state[pid][k] for pid in sorted(state) for k in sorted(state[pid]) if torch.is_tensor(state[pid][k])]
     with torch.no_grad():
@@ -126,7 +148,7 @@ def hydrate(job: Job, rank: int, src: int = 0) -> int:
         optimizer.load_state_dict({"state": state, "param_groups": meta["param_groups"]})
         scheduler.load_state_dict(meta["scheduler"])
         job.committed = meta["step"]
-    job.rng = meta["rng"]
+    job.rng = torch.tensor(meta["rng"], dtype=torch.uint8)
     torch.set_rng_state(job.rng)
     return sum(t.numel() * t.element_size() for t in tensors)
 

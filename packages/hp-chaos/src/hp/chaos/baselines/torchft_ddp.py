@@ -43,7 +43,7 @@ import time
 from datetime import timedelta
 from typing import Any
 
-from hp.chaos.baselines.torchrun_dcp import corpus_key, process_start_time
+from hp.chaos.baselines.torchrun_dcp import add_model_args, corpus_key, process_start_time
 from hp.core.benchmeta import pin_to_core
 from hp.core.protocol import Event
 
@@ -58,13 +58,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--fault-step", type=int, default=-1, help="--fault-replica dies after this step (-1: never)")
     p.add_argument("--fault-replica", type=int, default=1)
     p.add_argument("--log-dir", required=True, help="events/ and the start barrier go here")
-    p.add_argument("--model-size", default="tiny")
-    p.add_argument("--vocab", type=int, default=256)
-    p.add_argument("--seq", type=int, default=64)
-    p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--dropout", type=float, default=0.1)
-    p.add_argument("--corpus-mb", type=int, default=16)
-    p.add_argument("--seed", type=int, default=0)
+    add_model_args(p)
     p.add_argument("--timeout", type=float, default=60.0, help="torchft's quorum/commit/transfer timeout, s")
     p.add_argument("--rejoin-timeout", type=float, default=120.0,
                    help="a faulted run trains past --steps for at most this long, waiting for the restarted group")

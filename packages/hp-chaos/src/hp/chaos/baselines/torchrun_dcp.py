@@ -53,6 +53,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--fault-rank", type=int, default=1)
     p.add_argument("--ckpt-every", type=int, default=10)
     p.add_argument("--log-dir", required=True, help="events/ and ckpt/ go here")
+    add_model_args(p)
+    return p.parse_args(argv)
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    """The model and data every baseline script trains: the same shape, tokens and seed as hp's demo."""
     p.add_argument("--model-size", default="tiny")
     p.add_argument("--vocab", type=int, default=256)
     p.add_argument("--seq", type=int, default=64)
@@ -60,7 +66,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dropout", type=float, default=0.1)
     p.add_argument("--corpus-mb", type=int, default=16)
     p.add_argument("--seed", type=int, default=0)
-    return p.parse_args(argv)
 
 
 def corpus_key(corpus_mb: int, vocab: int, seed: int) -> str:
