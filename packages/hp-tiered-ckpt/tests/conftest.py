@@ -21,6 +21,7 @@ import pytest
 from hp.core.auth import new_token
 from hp.core.testing import HP, free_port, wait_for
 from hp.tiered_ckpt.client import DaemonClient
+from hp.tiered_ckpt.wire import ADMIN_KEY_FILE, read_admin_key
 
 WORKER = Path(__file__).parent / "workers" / "ckpt_worker.py"
 
@@ -55,17 +56,24 @@ class DaemonProc:
     HP_CLI = [*HP, "--log-level", "INFO", "ckpt"]
 
     def __init__(self, root: Path, token: str, env: dict, peers: list[str] = (), replicas: int = 1,
-                 keep_memory: int = 2, cmd: list[str] = LIGHT) -> None:
+                 keep_memory: int = 2, cmd: list[str] = LIGHT, args: list[str] = ()) -> None:
         self.port = free_port()
         self.addr = f"127.0.0.1:{self.port}"
         self.root = root
         self.log = open(root.with_suffix(".log"), "wb")
         self.proc = subprocess.Popen(
             [*cmd, "daemon", "--listen", self.addr, "--dir", str(root),
-             "--peers", ",".join(peers), "--replicas", str(replicas), "--keep-memory", str(keep_memory)],
+             "--peers", ",".join(peers), "--replicas", str(replicas), "--keep-memory", str(keep_memory), *args],
             env={**env, "HP_JOB_TOKEN": token}, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
         self.client = DaemonClient(("127.0.0.1", self.port), token, timeout=10)
-        wait_for(self._up, 60, f"daemon {self.addr}")
+        try:
+            wait_for(self._up, 60, f"daemon {self.addr}")
+        except BaseException:
+            self.kill()
+            raise
+        # the test plays the operator: its `peers` and `gc` are signed with the daemon's admin key
+        self.admin_key = read_admin_key(root / ADMIN_KEY_FILE)
+        self.client.admin_key = self.admin_key
 
     def _up(self) -> bool:
         assert self.proc.poll() is None, self.output()

@@ -98,7 +98,10 @@ def test_ls_verify_gc_on_url_and_daemon(daemons, token, tmp_path, monkeypatch, h
     assert gc.returncode == 0
     left = {r["step"]: r["complete"] for r in json.loads(hp("ckpt", "ls", "job", "--url", url, "--json").stdout)}
     assert left == {3: True, 7: False}  # older steps gone; the newer unfinished one is not ours to judge yet
-    assert json.loads(hp("ckpt", "gc", "job", "--daemon", node.addr, "--keep", "1").stdout)["removed"] == [2]
+    refused = hp("ckpt", "gc", "job", "--daemon", node.addr, "--keep", "1", "--admin-key-file", str(tmp_path / "none"))
+    assert refused.returncode == 2 and "--admin-key-file" in refused.stderr and len(refused.stderr.splitlines()) == 1
+    gc = hp("ckpt", "gc", "job", "--daemon", node.addr, "--keep", "1", "--admin-key-file", str(node.root / "admin.key"))
+    assert json.loads(gc.stdout)["removed"] == [2]
 
 
 def test_frames_are_authenticated_and_capped(daemons, token):
@@ -149,11 +152,12 @@ def test_idle_connections_announcing_big_headers_cost_the_daemon_no_memory(daemo
 
 def test_seal_accepts_only_the_slot_the_daemon_handed_out(daemons, token):
     from hp.tiered_ckpt.client import DaemonClient
+    from hp.tiered_ckpt.signed import new_save_id
 
     node = daemons("node0", replicas=0)
     c = DaemonClient(("127.0.0.1", node.port), token)
     path = c.slot("job", 0, 1, 4096)
     for bad_path, spans, size in (("/etc/passwd", [[0, 10]], 10), (path, [[4000, 200]], 4096), (path, [[0, 10]], 1 << 20)):
         with pytest.raises(wire.RefusedError):
-            c.seal("job", 0, 1, 1, bad_path, size, spans, None)
-    c.seal("job", 0, 1, 1, path, 4096, [[0, 4096]], None)
+            c.seal("job", 0, 1, 1, bad_path, size, spans, None, new_save_id())
+    c.seal("job", 0, 1, 1, path, 4096, [[0, 4096]], None, new_save_id())

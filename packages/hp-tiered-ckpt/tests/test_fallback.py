@@ -122,11 +122,15 @@ class _Evil:
         return os.mkdir, (str(self.marker),)
 
 
-def _rewrite_byte_item(step_dir: Path, fqn: str, payload: bytes) -> None:
+def _rewrite_byte_item(step_dir: Path, fqn: str, payload: bytes, token: str | None = None) -> None:
     """Point ``fqn`` at ``payload`` appended to rank 0's file, checksums recomputed: every file the
-    reader trusts is consistent, as an attacker with write access to the storage makes it."""
+    reader trusts is consistent, as an attacker with write access to the storage makes it. With
+    ``token`` (an attacker who holds the job token too) the manifest, the metadata and the commit
+    marker are signed again, the marker pinning the new digests."""
     import json
     import zlib
+
+    from hp.tiered_ckpt import signed
 
     shard, meta_path, man_path = step_dir / fmt.rank_file(0), step_dir / fmt.META_JSON, step_dir / fmt.rank_manifest(0)
     data = shard.read_bytes()
@@ -142,11 +146,19 @@ def _rewrite_byte_item(step_dir: Path, fqn: str, payload: bytes) -> None:
     man["items"].append([offset, len(payload), zlib.crc32(payload)])
     man["nbytes"] = len(data)
     man_path.write_text(json.dumps(man))
+    if token is not None:
+        for path, doc in ((meta_path, meta), (man_path, man)):
+            path.write_bytes(signed.dumps(token, doc))
+        commit = json.loads((step_dir / fmt.COMMIT).read_text())
+        commit["digests"] = {p.name: signed.digest(p.read_bytes()) for p in (meta_path, man_path)}
+        (step_dir / fmt.COMMIT).write_bytes(signed.dumps(token, commit))
 
 
-def test_a_rewritten_non_tensor_item_is_refused_never_unpickled(saved, tmp_path):
+def test_a_rewritten_non_tensor_item_is_refused_never_unpickled(saved, token, tmp_path):
     """#13 finding 1: DCP's load planner unpickles non-tensor items with weights_only=False; a
-    rewritten item with recomputed CRCs made verify say ok and load run the attacker's call."""
+    rewritten item with recomputed CRCs made verify say ok and load run the attacker's call. Now the
+    signed manifests refuse it (finding 2); and an attacker who also holds the job token and signs
+    again meets the decoder that never unpickles."""
     import io
 
     from hp.tiered_ckpt import UnsafeItemError
@@ -155,8 +167,16 @@ def test_a_rewritten_non_tensor_item_is_refused_never_unpickled(saved, tmp_path)
     marker = tmp_path / "pwned"
     evil = io.BytesIO()
     torch.save(_Evil(marker), evil)
+    saved_files = {p: p.read_bytes() for p in persisted.parent.iterdir()}
     _rewrite_byte_item(persisted.parent, "extra.step", evil.getvalue())
     assert node.client.gc("job", 0) == [5]  # only the rewritten persistent copy is left
+    verify = subprocess.run([*HP, "ckpt", "verify", "job", "--url", cfg.persist_url], capture_output=True, text=True)
+    assert verify.returncode == 1 and "not the file its commit marker pins" in verify.stdout, verify.stdout
+    with pytest.raises(CheckpointCorruptError, match="no tier's manifests verify"):
+        api.load(_blank(), cfg)
+    for p, data in saved_files.items():
+        p.write_bytes(data)
+    _rewrite_byte_item(persisted.parent, "extra.step", evil.getvalue(), token=token)
     verify = subprocess.run([*HP, "ckpt", "verify", "job", "--url", cfg.persist_url], capture_output=True, text=True)
     assert verify.returncode == 1 and "'extra.step' would need unpickling" in verify.stdout, verify.stdout
     sd = _blank()
@@ -185,7 +205,9 @@ def test_a_newest_step_bad_everywhere_falls_back_to_the_older_complete_step(save
     node, cfg, persisted5 = saved
     assert api.save(_state(6), 6, cfg, force=True)
     wait_for(lambda: len(node.events("committed")) >= 2, 60, "step 6's commit marker")
-    assert node.client.gc("job", 0) == [5, 6]  # memory copies gone: the persistent tier holds both
+    # memory copies gone: the persistent tier holds both (step 6 stays pinned until its upload job ends)
+    removed: set[int] = set()
+    wait_for(lambda: removed.update(node.client.gc("job", 0)) or removed == {5, 6}, 30, "memory gc")
     _flip(persisted5.parent.parent / fmt.step_dir(6) / fmt.rank_file(0), _tensor_offset_persisted(cfg, 6))
     sd = _state(6)  # a live state the bad step would have partly overwritten
     with caplog.at_level(logging.WARNING, logger="hp.tiered_ckpt"):

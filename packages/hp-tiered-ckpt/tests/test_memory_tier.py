@@ -7,11 +7,9 @@ from __future__ import annotations
 import os
 import signal
 import socket
-import struct
 import zlib
 from pathlib import Path
 
-from hp.core.auth import encode_request
 from hp.core.testing import wait_for
 from hp.tiered_ckpt import wire
 
@@ -47,11 +45,13 @@ def test_node_daemon_killed_restores_from_peer_replica(daemons, ranks):
 
 def _put(node, token: str, step: int, payload: bytes, send: int | None = None) -> None:
     """A peer's replica upload; ``send`` < len(payload) makes the peer die mid-transfer."""
-    head = {"op": "put", "ns": "job", "step": step, "world": 1, "rank": 0,
-            "items": [[0, len(payload), zlib.crc32(payload)]], "nbytes": len(payload), "crc": zlib.crc32(payload)}
-    body, sig = encode_request(token, head)
+    from hp.tiered_ckpt.signed import new_save_id
+
+    head = {"op": "put", "ns": "job", "step": step, "world": 1, "rank": 0, "save_id": new_save_id(),
+            "items": [[0, len(payload), zlib.crc32(payload)]]}
+    frame = wire.frame(token, head, payload)
     with socket.create_connection(("127.0.0.1", node.port)) as s:
-        s.sendall(struct.pack(">I", len(body)) + sig.encode() + body + payload[:send])
+        s.sendall(frame if send is None else frame[:len(frame) - len(payload) - 32 + send])
         if send is None:
             assert wire.recv_header(s, token)["ok"]
 
@@ -76,8 +76,8 @@ def test_gc_never_counts_an_incomplete_step_against_the_complete_ones(tmp_path):
     store = MemoryStore(tmp_path)
 
     def step(s: int, complete: bool) -> StepRec:
-        f = FileRec(0, str(tmp_path / f"r{s}"), 8, [[0, 8]], items=[[0, 8, 0]] if complete else None)
-        return StepRec(s, 1, files={0: f}, meta_json={} if complete else None)
+        f = FileRec(0, str(tmp_path / f"r{s}"), 8, [[0, 8]], "0" * 32, items=[[0, 8, 0]] if complete else None)
+        return StepRec(s, 1, files={0: f}, meta_json={} if complete else None, save_id="0" * 32)
 
     store.steps["job"] = {4: step(4, True), 5: step(5, True), 6: step(6, False)}
     assert store.gc("job", 1) == [4]  # 5 is the newest complete step; 6 is still arriving

@@ -14,17 +14,17 @@ from hp.tiered_ckpt import fmt
 from hp.tiered_ckpt.persist import PersistentTier
 
 
-def _committed(url: str, ns: str, env: dict) -> list[int]:
+def _committed(url: str, ns: str, env: dict, token: str) -> list[int]:
     old = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     try:
-        return PersistentTier(url, ns).committed()
+        return PersistentTier(url, ns, token).committed()
     finally:
         for k, v in old.items():
             os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
 
 
-def test_two_ranks_persist_to_s3_then_plain_dcp_reads_and_three_ranks_reshard(s3, daemons, ranks, monkeypatch):
+def test_two_ranks_persist_to_s3_then_plain_dcp_reads_and_three_ranks_reshard(s3, daemons, ranks, monkeypatch, token):
     import torch
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint._fsspec_filesystem import FsspecReader
@@ -34,7 +34,7 @@ def test_two_ranks_persist_to_s3_then_plain_dcp_reads_and_three_ranks_reshard(s3
     url = f"s3://{s3.bucket}/t1"
     res = ranks(2, ["save", "--ns", "job", "--daemon", node.addr, "--url", url, "--steps", "4"], env).results()
     assert len(res) == 2
-    wait_for(lambda: _committed(url, "job", env) == [4], 60, "commit marker of step 4")
+    wait_for(lambda: _committed(url, "job", env, token) == [4], 60, "commit marker of step 4")
 
     # plain DCP, no hp code: FsspecReader on the step directory, loading into one process
     monkeypatch.setattr(os, "environ", {**os.environ, **env})
@@ -57,7 +57,7 @@ def test_two_ranks_persist_to_s3_then_plain_dcp_reads_and_three_ranks_reshard(s3
     assert [(o["step"], o["tier"], o["ok"]) for o in out] == [(4, "persistent", True)] * 3
 
 
-def test_wrong_secret_is_refused(s3, daemons, ranks):
+def test_wrong_secret_is_refused(s3, daemons, ranks, token):
     bad = {**s3.env(), "AWS_SECRET_ACCESS_KEY": "not-the-secret", "HP_CKPT_S3_TIMEOUT": "5"}
     import s3fs
 
@@ -69,11 +69,12 @@ def test_wrong_secret_is_refused(s3, daemons, ranks):
     url = f"s3://{s3.bucket}/t2"
     ranks(1, ["save", "--ns", "job", "--daemon", node.addr, "--url", url], bad).results()
     wait_for(lambda: node.events("upload_retry"), 30, "a refused upload")
-    assert "signature" in node.events("upload_retry")[0]["error"].lower()
-    assert not node.events("uploaded") and _committed(url, "job", s3.env()) == []
+    error = node.events("upload_retry")[0]["error"].lower()
+    assert "signature" in error or "forbidden" in error, error  # the first request refused: a PUT, or a GET
+    assert not node.events("uploaded") and _committed(url, "job", s3.env(), token) == []
 
 
-def test_s3_outage_training_continues_upload_lands_after_with_commit_last(s3, daemons, ranks):
+def test_s3_outage_training_continues_upload_lands_after_with_commit_last(s3, daemons, ranks, token):
     env = {**s3.env(), "HP_CKPT_S3_TIMEOUT": "3"}
     node = daemons("node0", env=env, replicas=0)
     url = f"s3://{s3.bucket}/t3"
@@ -98,4 +99,33 @@ def test_s3_outage_training_continues_upload_lands_after_with_commit_last(s3, da
     uploaded = [e for e in ev if e["event"] == "uploaded" and e["step"] == 4]
     committed = [e for e in ev if e["event"] == "committed" and e["step"] == 4]
     assert uploaded and committed and resumed <= uploaded[0]["time"] <= committed[0]["time"]
-    assert _committed(url, "job", env) == [4]
+    assert _committed(url, "job", env, token) == [4]
+
+
+def test_stale_manifest_never_commits(s3, daemons, ranks, token, monkeypatch):
+    """Fault matrix (#13 finding 2): step 4 is saved and committed by two nodes, then saved again
+    while node 1 cannot reach the bucket (a dead node would do the same): node 0 removes the old
+    commit marker before uploading, and nothing commits while rank 1's manifest is of the earlier
+    save. The old code committed at once: every manifest *existed*."""
+    env = {**s3.env(), "HP_CKPT_S3_TIMEOUT": "5"}
+    a, b = daemons("node0", env=env, replicas=0), daemons("node1", env=env, replicas=0)
+    url = f"s3://{s3.bucket}/stale"
+    save = ["save", "--ns", "job", "--url", url, "--persist-every", "2"]
+    ranks(2, [*save, "--daemon", f"{a.addr},{b.addr}", "--steps", "4"], env).results()
+    wait_for(lambda: _committed(url, "job", env, token) == [4], 60, "step 4 committed")
+    for k, v in env.items():
+        monkeypatch.setenv(k, v)
+    tier = PersistentTier(url, "job", token)
+    first = tier.commits()[4]["save_id"]
+
+    b.kill()
+    cut_off = daemons("node1b", env={**env, "AWS_SECRET_ACCESS_KEY": "not-the-secret"}, replicas=0)
+    ranks(2, [*save, "--daemon", f"{a.addr},{cut_off.addr}", "--steps", "4"], env).results()
+    wait_for(lambda: len([e for e in a.events("uploaded") if e["step"] == 4]) == 2, 60, "node 0's re-upload")
+    wait_for(lambda: cut_off.events("upload_retry"), 60, "node 1's upload refused")
+    time.sleep(2.0)  # node 0's committer polls every 0.2 s: it had ten chances to commit a mix
+    assert _committed(url, "job", env, token) == [], "a commit mixed two saves of step 4"
+    assert [e["step"] for e in a.events("committed")] == [4]  # the first save's only
+    rank0 = tier.read_signed(4, fmt.rank_manifest(0))[0]["save_id"]
+    rank1 = tier.read_signed(4, fmt.rank_manifest(1))[0]["save_id"]
+    assert rank1 == first < rank0  # the mix is on storage; the marker never vouched for it

@@ -52,7 +52,7 @@ def main() -> int:
     p = argparse.ArgumentParser()
     p.add_argument("mode", choices=["save", "load"])
     p.add_argument("--ns", required=True)
-    p.add_argument("--daemon", required=True)
+    p.add_argument("--daemon", required=True, help="HOST:PORT, or a comma-separated list: rank r uses entry r")
     p.add_argument("--peers", default="")
     p.add_argument("--url", default=None)
     p.add_argument("--steps", default="1", help="save: comma-separated steps")
@@ -63,7 +63,8 @@ def main() -> int:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1:
         dist.init_process_group("gloo")
-    cfg = TieredConfig(a.ns, daemon=a.daemon, peers=[x for x in a.peers.split(",") if x],
+    daemons = a.daemon.split(",")
+    cfg = TieredConfig(a.ns, daemon=daemons[int(os.environ.get("RANK", "0")) % len(daemons)], peers=[x for x in a.peers.split(",") if x],
                        persist_url=a.url, persist_every=a.persist_every)
     out: dict = {"rank": int(os.environ.get("RANK", "0"))}
     if a.mode == "save":

@@ -16,7 +16,9 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from hp.core.errors import HpError
 from hp.tiered_ckpt.config import TieredConfig
 from hp.tiered_ckpt.fmt import UnsafeItemError
-from hp.tiered_ckpt.reader import CheckpointCorruptError, CheckpointRef, NoCheckpointError, TieredReader, find_latest
+from hp.tiered_ckpt.reader import (
+    CheckpointCorruptError, CheckpointRef, NoCheckpointError, TieredReader, find_latest, find_readable,
+)
 from hp.tiered_ckpt.sources import sources_for
 from hp.tiered_ckpt.writer import TieredWriter
 
@@ -50,31 +52,35 @@ def latest(cfg: TieredConfig, step: int | None = None, below: int | None = None)
     return find_latest(sources_for(cfg), step, below)
 
 
-def _agreed_step(cfg: TieredConfig, step: int | None, below: int | None = None) -> int:
-    """Every rank must load the same step: rank 0 decides and broadcasts it as a tensor (a number
-    needs no pickle); -1 tells the others rank 0 has none, so that every rank raises, not only rank 0."""
+def _agreed_step(cfg: TieredConfig, step: int | None, below: int | None = None) -> tuple[int, str]:
+    """Every rank must load the same save: rank 0 picks the newest one whose manifests verify and
+    broadcasts (step, save id) as a tensor (numbers need no pickle); -1 tells the others rank 0 has
+    none, so that every rank raises, not only rank 0."""
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return latest(cfg, step, below).step
+        ref = find_readable(sources_for(cfg), step, below)
+        return ref.step, ref.save_id
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else "cpu"
-    chosen, error = -1, None
+    chosen, error = [-1] + [0] * 32, None
     if dist.get_rank() == 0:
         try:
-            chosen = latest(cfg, step, below).step
+            ref = find_readable(sources_for(cfg), step, below)
+            chosen = [ref.step] + list(ref.save_id.encode().ljust(32, b"\0"))
         except Exception as e:  # none, or the tiers unreadable: the others must not wait for rank 0
             error = e
-    box = torch.tensor([chosen], dtype=torch.int64, device=device)
+    box = torch.tensor(chosen, dtype=torch.int64, device=device)
     dist.broadcast(box, src=0)
     if error is not None:
         raise error
-    if int(box.item()) < 0:
+    got = box.tolist()
+    if got[0] < 0:
         raise NoCheckpointError(f"no checkpoint of {cfg.namespace} to load: rank 0 found none or could not "
                                 f"read the tiers (its own error says which)")
-    return int(box.item())
+    return got[0], bytes(got[1:]).rstrip(b"\0").decode()
 
 
-def load(state_dict: dict, cfg: TieredConfig, step: int | None = None) -> TieredReader:
-    """Load the newest complete checkpoint (or ``step``) into ``state_dict`` in place, resharding to
-    the current world size. Returns the reader: ``.step``, ``.ref.tier``, ``.tiers_used``,
+def load(state_dict: dict, cfg: TieredConfig, step: int | None = None, below: int | None = None) -> TieredReader:
+    """Load the newest complete checkpoint (older than ``below`` if given; or ``step``) into
+    ``state_dict`` in place, resharding to the current world size. Returns the reader: ``.step``, ``.ref.tier``, ``.tiers_used``,
     ``.fallbacks`` (tiers skipped item by item) and ``.skipped`` (steps skipped whole).
 
     With no ``step`` asked for, a step of which no tier holds a good copy of some item (corrupt,
@@ -84,15 +90,14 @@ def load(state_dict: dict, cfg: TieredConfig, step: int | None = None) -> Tiered
     step's error is raised."""
     skipped: list[str] = []
     first: HpError | None = None
-    below: int | None = None
     while True:
         try:
-            chosen = _agreed_step(cfg, step, below)
+            chosen, save_id = _agreed_step(cfg, step, below)
         except NoCheckpointError:
             if first is None:
                 raise
             raise first from None
-        reader = TieredReader(sources_for(cfg), chosen)
+        reader = TieredReader(sources_for(cfg), chosen, save_id)
         try:
             dcp.load(state_dict, storage_reader=reader)
         except CheckpointException as e:

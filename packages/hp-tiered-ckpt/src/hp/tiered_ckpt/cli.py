@@ -48,10 +48,17 @@ def _daemon(args: argparse.Namespace) -> int:
         root = private_dir(args.dir) if args.dir else user_dir("hp-ckpt")
     except OSError as e:
         raise UsageError(f"--dir {args.dir}: {e.strerror or e}") from None
-    main(DaemonConfig(root=root, token=_token(), host=host, port=port, peers=peers,
+    if not args.idle_timeout > 0 or not args.frame_timeout > 0:
+        raise UsageError("--idle-timeout and --frame-timeout must be > 0 seconds")
+    token = _token()
+    admin_key = os.environ.get(wire.ADMIN_KEY_ENV) or None  # else the daemon makes one (<dir>/admin.key)
+    if admin_key is not None and (len(admin_key) < 32 or admin_key == token):
+        raise UsageError(f"{wire.ADMIN_KEY_ENV} must be at least 32 characters and differ from the job token")
+    main(DaemonConfig(root=root, token=token, host=host, port=port, peers=peers,
                       replicas=args.replicas, keep_memory=args.keep_memory,
-                      keep_persistent=args.keep_persistent), ready_file=args.ready_file,
-         parent_pid=args.parent_pid)
+                      keep_persistent=args.keep_persistent, admin_key=admin_key,
+                      idle_timeout_s=args.idle_timeout, frame_timeout_s=args.frame_timeout),
+         ready_file=args.ready_file, parent_pid=args.parent_pid)
     return 0
 
 
@@ -64,7 +71,7 @@ def _target(args: argparse.Namespace):
         from hp.tiered_ckpt.persist import PersistentTier
 
         try:
-            tier = PersistentTier(args.url, args.namespace)
+            tier = PersistentTier(args.url, args.namespace, _token())  # its manifests are signed with it
             found = tier.fs.exists(tier.root)
         except Exception as e:  # noqa: BLE001  an unknown protocol, a bucket we may not list, ...
             raise UsageError(f"--url {args.url}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
@@ -115,10 +122,31 @@ def _gc(args: argparse.Namespace) -> int:
     if args.keep < 1:
         raise UsageError(f"--keep must be >= 1 (gc keeps the newest complete steps; it never deletes a job's last "
                          f"one), got {args.keep}")
-    t = _target(args)
-    removed = t.gc(args.keep) if args.url else t.gc(args.namespace, args.keep)
+    if args.daemon and not args.url:  # signed with the daemon's admin key: the job token may not gc
+        from hp.tiered_ckpt.client import DaemonClient
+
+        check_name(args.namespace, "namespace")
+        client = DaemonClient(_addr(args.daemon), token_from_env(), admin_key=_admin_key(args.admin_key_file))
+        removed = client.gc(args.namespace, args.keep)
+    else:
+        removed = _target(args).gc(args.keep)
     print(json.dumps({"removed": removed}))
     return 0
+
+
+def _admin_key(path: str | None) -> str:
+    """The daemon's admin key from ``path``, default the key file of a daemon on the default
+    ``--dir`` (``/dev/shm/hp-ckpt-<uid>/admin.key``); a missing or unreadable key is a UsageError."""
+    if path is None:
+        try:
+            path = str(user_dir("hp-ckpt") / wire.ADMIN_KEY_FILE)
+        except OSError as e:
+            raise UsageError(f"--admin-key-file not given and the default directory is unusable: {e}") from None
+    try:
+        return wire.read_admin_key(path)
+    except (OSError, ValueError) as e:
+        raise UsageError(f"--admin-key-file {path}: {getattr(e, 'strerror', None) or e} (gc on a daemon needs "
+                         f"its admin key: {wire.ADMIN_KEY_FILE} in the daemon's --dir)") from None
 
 
 def _bench(args: argparse.Namespace) -> int:
@@ -156,6 +184,10 @@ def add_daemon_args(d: argparse.ArgumentParser) -> None:
     d.add_argument("--keep-persistent", type=int, default=3)
     d.add_argument("--ready-file", default=None, help="write HOST:PORT here once listening")
     d.add_argument("--parent-pid", type=int, default=None, help="exit once this process is no longer the parent")
+    d.add_argument("--idle-timeout", type=float, default=600.0,
+                   help="close a connection with no request for this many seconds (clients reconnect)")
+    d.add_argument("--frame-timeout", type=float, default=30.0,
+                   help="a started request's header must arrive within this many seconds")
     d.set_defaults(handler=_daemon)
 
 
@@ -185,6 +217,9 @@ def hp_cli_commands(subparsers: argparse._SubParsersAction) -> None:
             s.add_argument("--step", type=int, default=None)
         if name == "gc":
             s.add_argument("--keep", type=int, required=True)
+            s.add_argument("--admin-key-file", default=None,
+                           help="with --daemon: the daemon's admin key (default: admin.key in the default --dir, "
+                                "/dev/shm/hp-ckpt-<uid>)")
     # hp bench is hp-chaos's group; join it when present (this hook runs last), else start it
     bench_parser = subparsers.choices.get("bench")
     if bench_parser is None and importlib.util.find_spec("hp.chaos") is not None:

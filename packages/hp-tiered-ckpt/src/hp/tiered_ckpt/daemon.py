@@ -2,8 +2,10 @@
 
 Workers ask it for a staging slot, copy their tensors into it and *seal* it; from then on the
 daemon owns the bytes: it checksums them, replicates them to ``replicas`` peer daemons and uploads
-them to the persistent tier, all off the training loop. Every connection is signed with the job
-token (:mod:`hp.tiered_ckpt.wire`); the daemon binds the address it is given (127.0.0.1 by default).
+them to the persistent tier, all off the training loop. Every frame is signed with the job token
+(:mod:`hp.tiered_ckpt.wire`: header and payload MACs, a replay window, replies bound to requests);
+``peers`` and ``gc`` need the daemon's admin key (``<root>/admin.key``, 0600). The daemon binds the
+address it is given (127.0.0.1 by default).
 """
 
 from __future__ import annotations
@@ -11,14 +13,15 @@ from __future__ import annotations
 import logging
 import os
 import queue
+import secrets
 import socket
 import socketserver
 import threading
 import time
-import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from hp.core.auth import ReplayWindow
 from hp.tiered_ckpt import fmt, wire
 from hp.tiered_ckpt.persist import PersistentTier
 from hp.tiered_ckpt.store import FileRec, MemoryStore
@@ -38,12 +41,23 @@ class DaemonConfig:
     keep_memory: int = 2
     keep_persistent: int = 3
     retry_max_s: float = 10.0
+    admin_key: str | None = None   # signs `peers`/`gc`; None: a random one, written to <root>/admin.key
+    idle_timeout_s: float = 600.0  # a connection with no frame started for this long is closed
+    frame_timeout_s: float = 30.0  # a started frame's header must arrive within this; each later read too
+    replay_cap: int = 100_000      # nonces remembered within auth.MAX_CLOCK_SKEW_S (about 220 bytes each)
 
 
 class Daemon:
     def __init__(self, cfg: DaemonConfig) -> None:
         self.cfg = cfg
         self.store = MemoryStore(cfg.root, keep=cfg.keep_memory)
+        # `peers` redirects replication and `gc` drops steps: not for every job-token holder (every
+        # worker and every peer daemon holds it), only for whoever started this daemon or can read its key file
+        self.admin_key = cfg.admin_key or secrets.token_hex(32)
+        if self.admin_key == cfg.token:
+            raise ValueError("the admin key must differ from the job token")
+        self.admin_key_file = wire.write_admin_key(cfg.root, self.admin_key)
+        self.replay = ReplayWindow(cap=cfg.replay_cap)
         self.work: queue.Queue = queue.Queue()        # checksums, then replication
         self.uploads: queue.Queue = queue.Queue()     # persistent tier, never blocks the above
         self.events: list[dict] = []                  # upload attempts/failures/commits, for status
@@ -82,33 +96,49 @@ class Daemon:
 
     # --- requests --------------------------------------------------------------------------------
     def _serve(self, sock: socket.socket) -> None:
-        """Frames until the peer hangs up: workers keep one connection open across saves."""
+        """Frames until the peer hangs up or idles past ``idle_timeout_s``: workers keep one connection
+        open across saves (and reconnect once it was closed). A frame is verified with the job token,
+        then the admin key; ``peers`` and ``gc`` need the admin key. A reply is signed with the key of
+        its request and carries its nonce; a seen nonce (a replayed frame) closes the connection."""
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        keys = (self.cfg.token, self.admin_key)
         while True:
             try:
-                head = wire.recv_header(sock, self.cfg.token)
+                head = wire.recv_header(sock, keys, self.replay, idle_timeout=self.cfg.idle_timeout_s,
+                                        frame_timeout=self.cfg.frame_timeout_s)
+            except wire.IdleError as e:
+                log.debug("connection closed: %s", e)
+                return
             except wire.WireError as e:
-                if "closed the connection after 0 of" not in str(e):
-                    log.warning("refused a connection: %s", e)
+                log.warning("refused a connection: %s", e)
                 return
             except OSError as e:
                 log.warning("connection error: %s", e)
                 return
-            op = head.get("op")
+            op, reply = head.get("op"), None
             try:
                 handler = getattr(self, f"_op_{op}", None) if isinstance(op, str) else None
                 if handler is None:
                     raise ValueError(f"unknown op {op!r}")
+                if op in wire.ADMIN_OPS and head.key_index != 1:
+                    raise ValueError(f"needs the daemon's admin key ({self.admin_key_file}), not the job token")
                 reply, payload = handler(sock, head)
-                wire.send(sock, self.cfg.token, {"ok": True, **reply}, payload)
+            except (ValueError, KeyError, TypeError, TimeoutError) as e:  # refused, with the reason
+                error = f"{op}: {e}"
             except (wire.WireError, OSError) as e:
                 log.warning("%s failed: %s", op, e)
                 return
-            except (ValueError, KeyError, TypeError, TimeoutError) as e:
-                try:
-                    wire.send(sock, self.cfg.token, {"ok": False, "error": f"{op}: {e}"})
-                except OSError:
-                    return
+            try:
+                if reply is None:
+                    wire.reply(sock, head, {"ok": False, "error": error})
+                else:
+                    wire.reply(sock, head, {"ok": True, **reply}, payload)
+            except (wire.WireError, OSError) as e:
+                log.warning("reply to %s failed: %s", op, e)
+                return
+            if head.pending:  # a payload the handler did not read: the next frame cannot be found
+                log.warning("%s left its payload unread; closing the connection", op)
+                return
 
     def _op_ping(self, sock, h):
         return {"address": list(self.address)}, None
@@ -119,25 +149,27 @@ class Daemon:
 
     def _op_seal(self, sock, h):
         f = self.store.seal(h["ns"], int(h["rank"]), int(h["step"]), int(h["world"]), h["path"],
-                            int(h["size"]), h["spans"], h.get("persist_url"))
-        self.work.put(("file", h["ns"], int(h["step"]), f, h.get("persist_url")))
+                            int(h["size"]), h["spans"], h.get("persist_url"), h["save_id"])
+        self.work.put(("file", h["ns"], int(h["step"]), f, h.get("persist_url"), f.save_id))
         return {}, None
 
     def _op_commit(self, sock, h):
         blob = wire.recv_payload(sock, h, wire.MAX_HEADER * 16)
-        rec = self.store.put_meta(h["ns"], int(h["step"]), int(h["world"]), h["meta"], blob, primary=True)
+        rec = self.store.put_meta(h["ns"], int(h["step"]), int(h["world"]), h["meta"], blob, primary=True,
+                                  save_id=h["save_id"])
         rec.persist_url = h.get("persist_url") or rec.persist_url
-        self.work.put(("meta", h["ns"], int(h["step"]), None, rec.persist_url))
+        self.work.put(("meta", h["ns"], int(h["step"]), None, rec.persist_url, h["save_id"]))
         return {}, None
 
     def _op_put_meta(self, sock, h):
         blob = wire.recv_payload(sock, h, wire.MAX_HEADER * 16)
-        self.store.put_meta(h["ns"], int(h["step"]), int(h["world"]), h["meta"], blob, primary=False)
+        self.store.put_meta(h["ns"], int(h["step"]), int(h["world"]), h["meta"], blob, primary=False,
+                            save_id=h["save_id"])
         return {}, None
 
     def _op_put(self, sock, h):
         self.store.put_replica(h["ns"], int(h["step"]), int(h["world"]), int(h["rank"]), h["items"],
-                               h["nbytes"], lambda out: wire.recv_payload_into(sock, h, out))
+                               h["nbytes"], h["save_id"], lambda out: wire.recv_payload_into(sock, h, out))
         return {}, None
 
     def _op_list(self, sock, h):
@@ -147,7 +179,7 @@ class Daemon:
         return self.store.manifest(h["ns"], int(h["step"])), None
 
     def _op_fetch(self, sock, h):
-        f = self.store.file(h["ns"], int(h["step"]), int(h["rank"]))
+        f = self.store.file(h["ns"], int(h["step"]), int(h["rank"]), h.get("save_id"))
         off, n = int(h["offset"]), int(h["length"])
         with open(f.path, "rb") as fh:
             fh.seek(off)
@@ -156,12 +188,13 @@ class Daemon:
     def _op_peers(self, sock, h):
         """Set the other nodes' daemons (ring order): ``hp run --service ckpt`` learns them only after
         every node's daemon is listening. Replaced as one list, so a replication in flight sees
-        either the old ring or the new one."""
+        either the old ring or the new one. Admin key only (:meth:`_serve`): it redirects replication."""
         peers = [wire.parse_addr(p) for p in h["peers"]]
         self.cfg.peers = peers
         return {"peers": [list(p) for p in peers]}, None
 
     def _op_gc(self, sock, h):
+        """Retention by hand (``hp ckpt gc --daemon``); admin key only (:meth:`_serve`)."""
         return {"removed": self.store.gc(h["ns"], int(h["keep"]))}, None
 
     def _op_status(self, sock, h):
@@ -171,7 +204,7 @@ class Daemon:
     # --- background work -------------------------------------------------------------------------
     def _work_loop(self) -> None:
         while True:
-            kind, ns, step, f, url = self.work.get()
+            kind, ns, step, f, url, save_id = self.work.get()
             try:
                 if kind == "file":
                     self.store.checksum(f)
@@ -179,7 +212,7 @@ class Daemon:
                 else:
                     self._replicate_meta(ns, step)
                 if url:
-                    entry = {"job": (kind, ns, step, f, url), "released": False}
+                    entry = {"job": (kind, ns, step, f, url, save_id), "released": False}
                     with self.store.lock:  # pinned until uploaded or superseded: the slot keeps its bytes
                         if f is not None:
                             f.busy += 1
@@ -206,11 +239,12 @@ class Daemon:
             f.busy += 1
         try:
             for peer in self._targets():
-                head = {"op": "put", "ns": ns, "step": step, "world": rec.world, "rank": f.rank, "items": f.items}
+                head = {"op": "put", "ns": ns, "step": step, "world": rec.world, "rank": f.rank, "items": f.items,
+                        "save_id": f.save_id}
                 try:
                     with open(f.path, "rb") as fh:
-                        wire.request(peer, self.cfg.token, head, fh, timeout=60, nbytes=f.nbytes,
-                                     crc=self._file_crc(f))
+                        # one pass over the slot: the payload MAC is computed while it streams
+                        wire.request(peer, self.cfg.token, head, fh, timeout=60, nbytes=f.nbytes)
                     self._event("replicated", ns=ns, step=step, rank=f.rank, peer=list(peer))
                 except (OSError, wire.WireError) as e:
                     log.warning("replica of step %d rank %d to %s failed: %s", step, f.rank, peer, e)
@@ -220,28 +254,22 @@ class Daemon:
                 f.busy -= 1
                 self.store.trim(ns)
 
-    @staticmethod
-    def _file_crc(f: FileRec) -> int:
-        crc = 0
-        with open(f.path, "rb") as fh:
-            for chunk in fmt.chunks(fh, f.nbytes):
-                crc = zlib.crc32(chunk, crc)
-        return crc
-
     def _replicate_meta(self, ns: str, step: int) -> None:
         rec = self.store.steps[ns][step]
         for peer in self.cfg.peers:  # metadata is small: every daemon gets it
             try:
                 wire.request(peer, self.cfg.token, {"op": "put_meta", "ns": ns, "step": step,
-                                                    "world": rec.world, "meta": rec.meta_json},
+                                                    "world": rec.world, "meta": rec.meta_json, "save_id": rec.save_id},
                              rec.meta_pickle, timeout=30)
             except (OSError, wire.WireError) as e:
                 log.warning("metadata of step %d to %s failed: %s", step, peer, e)
 
-    def _superseded(self, ns: str, step: int) -> bool:
-        """A newer step of the namespace is queued for upload: uploading this one is wasted work
-        (and would keep its slot pinned through an outage); the newest is what a restart wants."""
-        return self.newest_persist.get(ns, step) > step
+    def _superseded(self, ns: str, step: int, save_id: str) -> bool:
+        """A newer step of the namespace is queued for upload, or a newer save of this step arrived:
+        uploading this one is wasted work (and would keep its slot pinned through an outage); the
+        newest is what a restart wants."""
+        rec = self.store.steps.get(ns, {}).get(step)
+        return self.newest_persist.get(ns, step) > step or rec is None or rec.latest_id != save_id
 
     def _unpin(self, ns: str, step: int, f: FileRec | None) -> None:
         """Caller holds store.lock."""
@@ -256,8 +284,8 @@ class Daemon:
         """Unpin queued uploads a newer step made pointless, now, not when the upload thread gets to
         them: during an outage it hangs in one PUT, and a save waiting for their slots would stall
         training. Caller holds store.lock."""
-        for entry in [e for e in self._waiting if e["job"][1] == ns and self._superseded(ns, e["job"][2])]:
-            kind, _, step, f, _ = entry["job"]
+        for entry in [e for e in self._waiting if e["job"][1] == ns and self._superseded(ns, e["job"][2], e["job"][5])]:
+            kind, _, step, f, _, _ = entry["job"]
             entry["released"] = True
             self._waiting.remove(entry)
             self._unpin(ns, step, f)
@@ -278,11 +306,11 @@ class Daemon:
                 self._event("error", ns=job[1], step=job[2], error=str(e)[:300])
 
     def _upload_job(self, job: tuple) -> None:
-        kind, ns, step, f, url = job
+        kind, ns, step, f, url, save_id = job
         delay = 0.5
         try:
             while True:  # retry with backoff until it lands or a newer step supersedes it
-                if self._superseded(ns, step):
+                if self._superseded(ns, step, save_id):
                     self._event("persist_superseded", ns=ns, step=step, job=kind)
                     break
                 try:
@@ -302,27 +330,33 @@ class Daemon:
         """One filesystem client per (url, namespace): an s3fs client costs a session setup."""
         key = (url, ns)
         if key not in self._tiers:
-            self._tiers[key] = PersistentTier(url, ns)
+            self._tiers[key] = PersistentTier(url, ns, self.cfg.token)
         return self._tiers[key]
 
-    def _upload(self, kind: str, ns: str, step: int, f: FileRec | None, url: str) -> None:
+    def _upload(self, kind: str, ns: str, step: int, f: FileRec | None, url: str, save_id: str) -> None:
+        """One rank's file then its signed manifest, or the metadata then the commit marker. Signing
+        happens here, in the daemon's upload thread, off the training loop."""
         tier = self._tier(url, ns)
         rec = self.store.steps[ns][step]
+        tier.uncommit(step, save_id)  # another save's marker goes before any of this save's files land
         if kind == "file":
             tier.put_file(step, fmt.rank_file(f.rank), f.path, f.nbytes)
-            # the manifest goes after the data: the committer waits for every manifest
-            tier.put_json(step, fmt.rank_manifest(f.rank), f.manifest())
+            # the manifest goes after the data: the committer waits for every manifest of this save
+            tier.put_signed(step, fmt.rank_manifest(f.rank), f.manifest())
             self._event("uploaded", ns=ns, step=step, rank=f.rank)
             return
-        tier.put_bytes(step, fmt.DCP_METADATA, rec.meta_pickle)
-        tier.put_json(step, fmt.META_JSON, rec.meta_json)
+        meta_json, meta_pickle = rec.meta_json, rec.meta_pickle
+        if rec.save_id != save_id:
+            return  # a newer save of the step replaced the metadata: its own job commits it
+        tier.put_bytes(step, fmt.DCP_METADATA, meta_pickle)
+        tier.put_signed(step, fmt.META_JSON, {**meta_json, "save_id": save_id})
         deadline = time.monotonic() + 3600
         while True:
             try:
-                tier.commit(step, rec.world)
+                tier.commit(step, rec.world, save_id)
                 break
             except FileNotFoundError:
-                if time.monotonic() > deadline or self._superseded(ns, step):
+                if time.monotonic() > deadline or self._superseded(ns, step, save_id):
                     raise
                 time.sleep(0.2)
         rec.persisted = True

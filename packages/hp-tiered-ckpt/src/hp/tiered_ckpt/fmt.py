@@ -6,8 +6,11 @@ tensor items are ``torch.save`` images, and the pickled ``.metadata``) so that p
 
 - ``hp_metadata.json``: the same DCP ``Metadata`` as JSON, which is what hp's reader uses (hp never
   unpickles bytes that came from another machine);
-- ``hp_rank<r>.json``: per file, its size and every item's (offset, length, crc32);
-- ``hp_COMMIT``: written last; a step without it is never loaded.
+- ``hp_rank<r>.json``: per file, its size and every item's (offset, length, crc32), and the save id;
+- ``hp_COMMIT``: written last, once every manifest is of the same save; it pins their digests and a
+  step without a valid one is never loaded.
+
+The three JSON files are signed with the job token (:mod:`hp.tiered_ckpt.signed`).
 
 Non-tensor items (ints, optimizer ``param_groups``, scheduler state) are DCP's: ``torch.save``
 pickles. DCP's own load planner unpickles them with ``weights_only=False``, which runs whatever a

@@ -1,6 +1,9 @@
 """The persistent tier: one fsspec URL (``s3://bucket/prefix`` through s3fs, ``file:///fsx/...`` or a
 plain path for a mounted shared filesystem such as FSx for Lustre) holding ``<namespace>/step_N/``
-directories in DCP layout (see :mod:`hp.tiered_ckpt.fmt`).
+directories in DCP layout (see :mod:`hp.tiered_ckpt.fmt`). Manifests, the metadata JSON and the
+commit marker are signed with the job token (:mod:`hp.tiered_ckpt.signed`): a reader trusts sizes and
+CRCs only once the commit marker's signature and the digests it pins check out, so resuming from
+this tier needs the token of the job that wrote it.
 
 Credentials and the S3 endpoint come from the usual AWS environment (``AWS_ACCESS_KEY_ID``,
 ``AWS_SECRET_ACCESS_KEY``, ``AWS_ENDPOINT_URL_S3``): hp never carries secrets in its messages.
@@ -16,7 +19,7 @@ from dataclasses import dataclass
 
 import fsspec
 
-from hp.tiered_ckpt import fmt
+from hp.tiered_ckpt import fmt, signed
 
 _CHUNK = 32 << 20
 TIMEOUT_ENV = "HP_CKPT_S3_TIMEOUT"  # seconds before an unanswered S3 request is retried
@@ -58,6 +61,7 @@ class PersistentTier:
 
     url: str
     namespace: str
+    token: str
 
     def __post_init__(self) -> None:
         self.fs, self.root = open_fs(self.url)
@@ -76,44 +80,94 @@ class PersistentTier:
             for chunk in fmt.chunks(src, nbytes, _CHUNK):
                 f.write(chunk)
 
-    def put_json(self, step: int, name: str, obj: dict) -> None:
-        self.put_bytes(step, name, json.dumps(obj).encode())
+    def put_signed(self, step: int, name: str, doc: dict) -> None:
+        self.put_bytes(step, name, signed.dumps(self.token, doc))
 
     def exists(self, step: int, name: str) -> bool:
         return self.fs.exists(self.path(step, name))
 
-    def commit(self, step: int, world: int) -> None:
-        """Write the commit marker after checking every rank's manifest is there."""
-        missing = [r for r in range(world) if not self.exists(step, fmt.rank_manifest(r))]
-        if missing:
-            raise FileNotFoundError(f"step {step}: manifests of ranks {missing} not uploaded yet")
-        self.put_json(step, fmt.COMMIT, {"step": step, "world": world, "time": time.time()})
+    def read_signed(self, step: int, name: str) -> tuple[dict, bytes]:
+        """(verified document, its exact bytes); FileNotFoundError, or SignatureError."""
+        raw = self.fs.cat_file(self.path(step, name))
+        return signed.loads(self.token, raw, f"step {step} {name}"), raw
+
+    def uncommit(self, step: int, save_id: str) -> None:
+        """Before (re)uploading anything of ``save_id``: a commit marker of another save of the same
+        step goes first, so that the step is not listed complete while its files change."""
+        try:
+            doc, _ = self.read_signed(step, fmt.COMMIT)
+            if doc.get("save_id") == save_id:
+                return
+        except FileNotFoundError:
+            return
+        except signed.SignatureError:
+            pass
+        self.fs.rm_file(self.path(step, fmt.COMMIT))
+
+    def commit(self, step: int, world: int, save_id: str) -> None:
+        """Write the commit marker once every rank's manifest and the metadata are there, signed, and
+        of ``save_id``; it pins their digests. :class:`NotCommittable` (a FileNotFoundError: the
+        committer waits) while some are missing or still of another save."""
+        pinned, waiting = {}, []
+        for name in [fmt.rank_manifest(r) for r in range(world)] + [fmt.META_JSON]:
+            try:
+                doc, raw = self.read_signed(step, name)
+            except (FileNotFoundError, signed.SignatureError):
+                waiting.append(name)  # not uploaded yet, or a leftover this save's upload will replace
+                continue
+            if doc.get("save_id") != save_id:
+                waiting.append(name)
+            else:
+                pinned[name] = signed.digest(raw)
+        if waiting:
+            raise NotCommittable(f"step {step}: {', '.join(waiting[:4])}{' ...' if len(waiting) > 4 else ''} "
+                                 f"not uploaded yet for save {save_id}")
+        self.put_signed(step, fmt.COMMIT, {"step": step, "world": world, "save_id": save_id,
+                                            "time": time.time(), "digests": pinned})
 
     # --- reading ---------------------------------------------------------------------------------
-    def steps(self) -> dict[int, bool]:
-        """Every step directory → whether its commit marker is present."""
+    def commits(self) -> dict[int, dict | None]:
+        """Every step directory → its commit marker, verified (None: none, or one that fails its
+        signature: such a step is not complete)."""
         try:
             entries = self.fs.ls(self.base, detail=False)
         except FileNotFoundError:
             return {}
-        out: dict[int, bool] = {}
+        out: dict[int, dict | None] = {}
         for e in entries:
             step = fmt.parse_step_dir(e)
             if step is not None:
-                out[step] = self.fs.exists(self.path(step, fmt.COMMIT))
+                try:
+                    out[step] = self.read_signed(step, fmt.COMMIT)[0]
+                except (FileNotFoundError, signed.SignatureError):
+                    out[step] = None
         return out
+
+    def steps(self) -> dict[int, bool]:
+        """Every step directory → whether it holds a verified commit marker."""
+        return {s: doc is not None for s, doc in self.commits().items()}
 
     def committed(self) -> list[int]:
         return sorted(s for s, ok in self.steps().items() if ok)
 
-    def get_json(self, step: int, name: str) -> dict:
-        return json.loads(self.fs.cat_file(self.path(step, name)))
+    def manifest(self, step: int, save_id: str | None = None) -> tuple[dict, dict[int, dict]]:
+        """(metadata JSON, rank → file manifest) of a committed step (of ``save_id`` if given), each
+        checked against the digest its commit marker pins; :class:`~hp.tiered_ckpt.signed.SignatureError`
+        when one does not match."""
+        commit, _ = self.read_signed(step, fmt.COMMIT)
+        if save_id is not None and commit.get("save_id") != save_id:
+            raise signed.SignatureError(f"step {step}: committed save is {commit.get('save_id')}, not {save_id}")
+        pins = commit["digests"]
 
-    def manifest(self, step: int) -> tuple[dict, dict[int, dict]]:
-        """(metadata JSON, rank → file manifest) of a committed step."""
-        commit = self.get_json(step, fmt.COMMIT)
-        files = {r: self.get_json(step, fmt.rank_manifest(r)) for r in range(int(commit["world"]))}
-        return self.get_json(step, fmt.META_JSON), files
+        def pinned(name: str) -> dict:
+            raw = self.fs.cat_file(self.path(step, name))
+            if signed.digest(raw) != pins.get(name):
+                raise signed.SignatureError(f"step {step} {name}: not the file its commit marker pins "
+                                            f"(of another save, or altered)")
+            return json.loads(raw)
+
+        files = {r: pinned(fmt.rank_manifest(r)) for r in range(int(commit["world"]))}
+        return pinned(fmt.META_JSON), files
 
     def fetch(self, step: int, rank: int, offset: int, length: int) -> bytes:
         return self.fs.cat_file(self.path(step, fmt.rank_file(rank)), start=offset, end=offset + length)
@@ -124,7 +178,7 @@ class PersistentTier:
         problems = []
         try:
             _, files = self.manifest(step)
-        except (OSError, ValueError, KeyError, TypeError) as e:
+        except (OSError, ValueError, KeyError, TypeError, signed.SignatureError) as e:
             return [f"step {step}: unreadable commit marker or manifest: {type(e).__name__}: {e}"]
         for rank, man in files.items():
             name = fmt.rank_file(rank)
@@ -143,10 +197,14 @@ class PersistentTier:
         if not self.exists(step, fmt.COMMIT):
             return [f"step {step}: no commit marker (incomplete upload)"]
         try:
+            self.read_signed(step, fmt.COMMIT)
+        except signed.SignatureError as e:
+            return [f"unreadable commit marker: {e}"]
+        try:
             meta, files = self.manifest(step)
             byte_items = {(path, off, n): fqn for fqn, _, _, path, off, n in meta["storage_data"]
                           if meta["state_dict_metadata"].get(fqn, {}).get("kind") == "bytes"}
-        except (OSError, ValueError, KeyError, TypeError) as e:  # a bad commit, world, manifest or metadata
+        except (OSError, ValueError, KeyError, TypeError, signed.SignatureError) as e:  # bad commit, manifest, metadata
             return [f"step {step}: unreadable commit marker, manifest or metadata: {type(e).__name__}: {e}"]
         for rank, man in files.items():
             name = fmt.rank_file(rank)
@@ -190,3 +248,7 @@ class PersistentTier:
         for s in gone:
             self.remove(s)
         return sorted(gone)
+
+
+class NotCommittable(FileNotFoundError):
+    """Some manifest (or the metadata) of the save being committed is not in the tier yet."""

@@ -35,17 +35,22 @@ class NoCheckpointError(HpError):
 
 @dataclass(frozen=True)
 class CheckpointRef:
-    """The newest complete checkpoint of a namespace: its step and the fastest tier holding it."""
+    """The newest complete checkpoint of a namespace: its step, save and the fastest tier holding it."""
 
     step: int
     tier: str
-    tiers: tuple[str, ...]  # every tier holding it complete, fastest first
+    tiers: tuple[str, ...]  # every tier holding that save complete, fastest first
+    save_id: str = ""
 
 
-def find_latest(sources: list[Source], step: int | None = None, below: int | None = None) -> CheckpointRef:
+def find_latest(sources: list[Source], step: int | None = None, below: int | None = None,
+                save_id: str | None = None) -> CheckpointRef:
     """Newest complete step in any tier (or ``step`` itself; or the newest older than ``below``),
-    with the tiers that hold it."""
-    held = {s.tier: set(s.complete_steps()) for s in sources}
+    with the tiers that hold it. Tiers may hold different saves of one step (a retried step): the
+    newest save wins (or ``save_id``), and only tiers holding that one are used."""
+    held = {s.tier: s.complete_steps() for s in sources}
+    if save_id is not None:
+        held = {t: {k: v for k, v in h.items() if v == save_id} for t, h in held.items()}
     candidates = set().union(*held.values()) if held else set()
     if step is not None:
         candidates &= {step}
@@ -55,8 +60,38 @@ def find_latest(sources: list[Source], step: int | None = None, below: int | Non
         what = f"step {step}" if step is not None else "any step" if below is None else f"a step before {below}"
         raise NoCheckpointError(f"no complete checkpoint of {what} in tiers {[s.tier for s in sources]}")
     best = max(candidates)
-    tiers = tuple(s.tier for s in sources if best in held[s.tier])
-    return CheckpointRef(best, tiers[0], tiers)
+    newest = max(h[best] for h in held.values() if best in h)
+    tiers = tuple(s.tier for s in sources if held[s.tier].get(best) == newest)
+    return CheckpointRef(best, tiers[0], tiers, newest)
+
+
+def find_readable(sources: list[Source], step: int | None = None, below: int | None = None) -> CheckpointRef:
+    """:func:`find_latest`, narrowed to the tiers whose manifests of that save verify (signatures,
+    the digests the commit marker pins); a step no tier can vouch for is passed over, with a warning,
+    for the next older one (unless ``step`` was asked for)."""
+    passed_over: CheckpointCorruptError | None = None
+    while True:
+        try:
+            ref = find_latest(sources, step, below)
+        except NoCheckpointError:
+            if passed_over is None:
+                raise
+            raise passed_over from None  # nothing older: say why the newest was refused
+        good, problems = [], []
+        for src in sources:
+            if src.tier in ref.tiers:
+                try:
+                    src.manifest(ref.step, ref.save_id)
+                    good.append(src.tier)
+                except Exception as e:  # noqa: BLE001  unsigned, altered, of another save, unreachable
+                    problems.append(f"{src.tier}: {e}")
+        if good:
+            return CheckpointRef(ref.step, good[0], tuple(good), ref.save_id)
+        error = CheckpointCorruptError(f"step {ref.step}: no tier's manifests verify: " + "; ".join(problems))
+        if step is not None:
+            raise error
+        log.warning("%s; trying an older step", error)
+        passed_over, below = passed_over or error, ref.step
 
 
 def _safe_bytes(data: bytes, fqn: str) -> io.BytesIO:
@@ -73,9 +108,9 @@ def _safe_bytes(data: bytes, fqn: str) -> io.BytesIO:
 
 
 class TieredReader(StorageReader):
-    def __init__(self, sources: list[Source], step: int | None = None) -> None:
+    def __init__(self, sources: list[Source], step: int | None = None, save_id: str | None = None) -> None:
         super().__init__()
-        self.ref = find_latest(sources, step)
+        self.ref = find_latest(sources, step, save_id=save_id)
         self.sources = [s for s in sources if s.tier in self.ref.tiers]
         self._manifests: dict[str, dict[int, dict]] = {}
         self.tiers_used: set[str] = set()
@@ -93,7 +128,7 @@ class TieredReader(StorageReader):
         errors = []
         for src in self.sources:
             try:
-                meta, files = src.manifest(self.step)
+                meta, files = src.manifest(self.step, self.ref.save_id)
             except Exception as e:
                 errors.append(f"{src.tier}: {e}")
                 continue
@@ -112,7 +147,7 @@ class TieredReader(StorageReader):
 
     def _crcs(self, src: Source, rank: int) -> dict:
         if src.tier not in self._manifests:
-            _, files = src.manifest(self.step)
+            _, files = src.manifest(self.step, self.ref.save_id)
             self._manifests[src.tier] = {r: {(o, n): c for o, n, c in f["items"]} for r, f in files.items()}
         return self._manifests[src.tier].get(rank, {})
 
@@ -122,7 +157,7 @@ class TieredReader(StorageReader):
         for src in self.sources:
             try:
                 want = self._crcs(src, rank).get((offset, length))
-                data = src.fetch(self.step, rank, offset, length)
+                data = src.fetch(self.step, rank, offset, length, self.ref.save_id)
             except Exception as e:
                 problems.append(f"{src.tier}: {e}")
             else:

@@ -8,6 +8,12 @@ The daemon is a process of its own, so a worker that crashes loses nothing; it l
 (``--parent-pid``), and its shared-memory directory is removed when the job ends: a daemon started
 again does not know the files of the one before (the persistent tier is what outlives a job).
 
+The agent generates each daemon's admin key (``secrets.token_hex(32)``) and hands it over in the
+daemon's environment only (``HP_CKPT_ADMIN_KEY``; the workers' environment never holds it), so it
+can send ``peers`` (which only the admin key may) as soon as the daemon listens, without reading a
+file it may race with. The daemon also writes the key to ``<dir>/admin.key`` (0600, in its 0700
+directory) for ``hp ckpt gc --daemon`` on that node.
+
 Options (``--service ckpt:KEY=VALUE,...``): ``replicas`` (1), ``keep_memory`` (2), ``keep_persistent``
 (3), ``port`` (0: any free port), ``dir`` (default ``/dev/shm/hp-ckpt-<uid>/<run id>/node<rank>``, 0700), ``url``.
 """
@@ -15,6 +21,7 @@ Options (``--service ckpt:KEY=VALUE,...``): ``replicas`` (1), ``keep_memory`` (2
 from __future__ import annotations
 
 import os
+import secrets
 import shutil
 import signal
 import subprocess
@@ -28,6 +35,7 @@ from hp.core.errors import UsageError
 from hp.core.hookspecs import hookimpl
 from hp.core.services import NodeContext, ServiceError
 from hp.tiered_ckpt.config import DAEMON_ENV, PEERS_ENV, URL_ENV
+from hp.tiered_ckpt.wire import ADMIN_KEY_ENV
 
 START_TIMEOUT_S = 60.0  # a cold Python start on a loaded 2-core node takes seconds
 INT_OPTIONS = {"replicas": 1, "keep_memory": 2, "keep_persistent": 3, "port": 0}
@@ -47,6 +55,7 @@ class RunningDaemon:
     root: Path
     owns_root: bool  # created for this job: removed when it stops
     url: str | None
+    admin_key: str = ""  # the daemon's: signs `peers` (and `gc`); never in a worker's environment
     peers: tuple[str, ...] = ()
 
     def connect(self, endpoints: list[str]) -> None:
@@ -55,7 +64,7 @@ class RunningDaemon:
 
         self.peers = tuple(ring_peers(endpoints, self.node.node_rank))
         if self.peers:
-            client = DaemonClient(parse_addr(self.endpoint), self.node.token, timeout=10)
+            client = DaemonClient(parse_addr(self.endpoint), self.node.token, timeout=10, admin_key=self.admin_key)
             try:
                 client.set_peers(list(self.peers))
             finally:
@@ -124,11 +133,12 @@ class CheckpointDaemonService:
                "--dir", str(root), "--replicas", str(ints["replicas"]), "--keep-memory", str(ints["keep_memory"]),
                "--keep-persistent", str(ints["keep_persistent"]), "--ready-file", str(ready),
                "--parent-pid", str(os.getpid()), "--peers", ""]
-        env = {**os.environ, "HP_JOB_TOKEN": node.token}
+        admin_key = secrets.token_hex(32)
+        env = {**os.environ, "HP_JOB_TOKEN": node.token, ADMIN_KEY_ENV: admin_key}
         with open(log_path, "ab") as log:
             proc = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         endpoint = _wait_ready(proc, ready, log_path)
-        return RunningDaemon(node, proc, endpoint, root, owns_root, opts.get("url") or None)
+        return RunningDaemon(node, proc, endpoint, root, owns_root, opts.get("url") or None, admin_key)
 
 
 def _wait_ready(proc: subprocess.Popen, ready: Path, log_path: str) -> str:

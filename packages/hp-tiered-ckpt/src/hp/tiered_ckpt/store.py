@@ -4,6 +4,10 @@ Files live under a directory on a tmpfs (``/dev/shm`` by default) so they surviv
 worker that wrote them. Each rank has a small pool of *slot* files that are allocated once and
 reused (a fresh page costs ~4x a copy into a warm one); a slot that holds one of the newest
 ``keep`` steps, or that is being checksummed, replicated or uploaded, is never handed out.
+
+A step may be saved more than once (a retried step after a recovery): each save has its own id
+(:mod:`hp.tiered_ckpt.signed`). A step is complete only when its metadata and every rank's file are
+of one save; a file or metadata of an older save than one already seen for the step is refused.
 """
 
 from __future__ import annotations
@@ -19,7 +23,7 @@ from pathlib import Path
 
 from hp.core.config import NAME_RE
 from hp.core.privfs import open_private, private_dir
-from hp.tiered_ckpt import fmt
+from hp.tiered_ckpt import fmt, signed
 
 
 @dataclass
@@ -30,12 +34,13 @@ class FileRec:
     path: str
     nbytes: int
     spans: list[list[int]]                 # [offset, length] of every item
+    save_id: str
     items: list[list[int]] | None = None   # [offset, length, crc32] once checksummed
     primary: bool = True                   # written on this node (False: a replica from a peer)
     busy: int = 0                          # replication/upload in flight: the slot must not be reused
 
     def manifest(self) -> dict:
-        return {"rank": self.rank, "nbytes": self.nbytes, "items": self.items}
+        return {"rank": self.rank, "nbytes": self.nbytes, "items": self.items, "save_id": self.save_id}
 
 
 @dataclass
@@ -46,15 +51,27 @@ class StepRec:
     meta_json: dict | None = None
     meta_pickle: bytes | None = None       # DCP's own .metadata, opaque bytes here: never unpickled
     meta_primary: bool = False             # committed by this node's coordinator rank
+    save_id: str | None = None             # the save the metadata belongs to
+    latest_id: str = ""                    # the newest save of this step seen here (older ones are refused)
     persist_url: str | None = None
     persisted: bool = False
     pinned: int = 0                        # metadata upload queued or in flight: keep the record
 
     def ready_ranks(self) -> list[int]:
-        return sorted(r for r, f in self.files.items() if f.items is not None)
+        """Ranks whose file is checksummed and of the same save as the metadata."""
+        return sorted(r for r, f in self.files.items() if f.items is not None and f.save_id == self.save_id)
 
     def complete(self) -> bool:
         return self.meta_json is not None and self.ready_ranks() == list(range(self.world))
+
+    def admit(self, save_id: str) -> None:
+        """Refuse a message of an older save than one already seen for this step (a late replica,
+        a worker of a superseded generation); remember a newer one. Caller holds the store's lock."""
+        if not signed.is_save_id(save_id):
+            raise ValueError(f"bad save id {save_id!r}")
+        if save_id < self.latest_id:
+            raise ValueError(f"step {self.step}: save {save_id} is older than save {self.latest_id}: stale, refused")
+        self.latest_id = save_id
 
 
 class MemoryStore:
@@ -114,7 +131,8 @@ class MemoryStore:
 
     def _pick(self, ns: str, rank: int, step: int, pool: list[int | None]) -> int | None:
         kept = self._kept_steps(ns) - {step}
-        free = [k for k, s in enumerate(pool) if s is None or s == step]
+        # a slot of this step is reused, unless an earlier save of it is still being uploaded from it
+        free = [k for k, s in enumerate(pool) if s is None or (s == step and not self._busy(ns, s, rank))]
         if free:
             return free[0]
         if len(pool) < self.keep + 3:  # kept steps + one being uploaded + the newest queued upload + this save
@@ -136,7 +154,7 @@ class MemoryStore:
                 self.steps[ns].pop(step, None)
 
     def seal(self, ns: str, rank: int, step: int, world: int, path: str, nbytes: int,
-             spans: list[list[int]], persist_url: str | None) -> FileRec:
+             spans: list[list[int]], persist_url: str | None, save_id: str) -> FileRec:
         with self.lock:
             # only the slot this daemon handed out for (rank, step): a client cannot make the
             # daemon read, replicate or upload any other file
@@ -151,8 +169,9 @@ class MemoryStore:
             if world < 1 or not 0 <= rank < world:
                 raise ValueError(f"rank {rank} outside world {world}")
             rec = self.step_rec(ns, step, world)
+            rec.admit(save_id)
             rec.persist_url = persist_url or rec.persist_url
-            f = rec.files[rank] = FileRec(rank, path, nbytes, spans)
+            f = rec.files[rank] = FileRec(rank, path, nbytes, spans, save_id)
             self.lock.notify_all()
             return f
 
@@ -172,12 +191,15 @@ class MemoryStore:
             self.lock.notify_all()
 
     def put_replica(self, ns: str, step: int, world: int, rank: int, items: list[list[int]], nbytes: int,
-                    write) -> None:
+                    save_id: str, write) -> None:
         """Store a peer's file: written to a temporary name, renamed only once complete and verified,
         so a peer dying mid-transfer leaves the copies we already had untouched."""
+        with self.lock:  # refuse a stale save before receiving it (the record is made once it is whole)
+            rec = self.steps.get(ns, {}).get(step)
+            StepRec(step, world, latest_id=rec.latest_id if rec else "").admit(save_id)
         d = private_dir(self._ns_dir(ns) / "replicas" / fmt.step_dir(step))
-        final = d / fmt.rank_file(rank)
-        tmp = d / (fmt.rank_file(rank) + f".partial{threading.get_ident()}")
+        final = d / f"{fmt.rank_file(rank)}.{save_id}"  # a late copy of another save never overwrites this one
+        tmp = d / f"{fmt.rank_file(rank)}.{save_id}.partial{threading.get_ident()}"
         try:
             with os.fdopen(open_private(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), "wb") as out:
                 write(out)
@@ -188,17 +210,24 @@ class MemoryStore:
             tmp.unlink(missing_ok=True)
         with self.lock:
             rec = self.step_rec(ns, step, world)
-            if rank in rec.files and rec.files[rank].primary:
-                return
-            rec.files[rank] = FileRec(rank, str(final), nbytes, [i[:2] for i in items], items, primary=False)
+            old = rec.files.get(rank)
+            if save_id < rec.latest_id:
+                return  # a newer save of the step arrived meanwhile
+            rec.latest_id = save_id
+            if old is not None and old.primary and old.save_id == save_id:
+                return  # our own copy of this save is here
+            if old is not None and not old.primary and old.path != str(final):
+                Path(old.path).unlink(missing_ok=True)
+            rec.files[rank] = FileRec(rank, str(final), nbytes, [i[:2] for i in items], save_id, items, primary=False)
             self.trim(ns)
             self.lock.notify_all()
 
     def put_meta(self, ns: str, step: int, world: int, meta_json: dict, meta_pickle: bytes,
-                 primary: bool) -> StepRec:
+                 primary: bool, save_id: str) -> StepRec:
         with self.lock:
             rec = self.step_rec(ns, step, world)
-            rec.meta_json, rec.meta_pickle = meta_json, meta_pickle
+            rec.admit(save_id)
+            rec.meta_json, rec.meta_pickle, rec.save_id, rec.world = meta_json, meta_pickle, save_id, world
             rec.meta_primary = rec.meta_primary or primary
             self.trim(ns)
             self.lock.notify_all()
@@ -246,7 +275,8 @@ class MemoryStore:
     def listing(self, ns: str) -> list[dict]:
         with self.lock:
             return [{"step": s, "world": r.world, "ranks": r.ready_ranks(), "has_meta": r.meta_json is not None,
-                     "complete": r.complete(), "persisted": r.persisted}
+                     "complete": r.complete(), "persisted": r.persisted, "save_id": r.save_id,
+                     "files": {str(k): f.save_id for k, f in r.files.items() if f.items is not None}}
                     for s, r in sorted(self.steps.get(ns, {}).items())]
 
     def manifest(self, ns: str, step: int) -> dict:
@@ -254,14 +284,16 @@ class MemoryStore:
             rec = self.steps.get(ns, {}).get(step)
             if rec is None:
                 raise KeyError(f"step {step} of namespace {ns!r} is not in memory here")
-            return {"world": rec.world, "meta": rec.meta_json,
+            return {"world": rec.world, "meta": rec.meta_json, "save_id": rec.save_id,
                     "files": {str(r): f.manifest() for r, f in rec.files.items() if f.items is not None}}
 
-    def file(self, ns: str, step: int, rank: int) -> FileRec:
+    def file(self, ns: str, step: int, rank: int, save_id: str | None = None) -> FileRec:
+        """The checksummed file of (step, rank), of ``save_id`` if given."""
         with self.lock:
             f = self.steps.get(ns, {}).get(step, StepRec(step, 0)).files.get(rank)
-            if f is None or f.items is None:
-                raise KeyError(f"rank {rank} file of step {step} ({ns!r}) is not in memory here")
+            if f is None or f.items is None or (save_id is not None and f.save_id != save_id):
+                raise KeyError(f"rank {rank} file of step {step} ({ns!r}"
+                               f"{', save ' + save_id if save_id else ''}) is not in memory here")
             return f
 
     def namespaces(self) -> list[str]:

@@ -55,7 +55,7 @@ class FsspecTier:
         from hp.tiered_ckpt.persist import PersistentTier
         from hp.tiered_ckpt.sources import PersistentSource
 
-        return [PersistentSource(PersistentTier(cfg.persist_url, cfg.namespace))] if cfg.persist_url else []
+        return [PersistentSource(PersistentTier(cfg.persist_url, cfg.namespace, cfg.token))] if cfg.persist_url else []
 
 
 @hookimpl

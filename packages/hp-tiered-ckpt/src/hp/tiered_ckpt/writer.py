@@ -4,10 +4,15 @@
 images whose fixed prefix/suffix are written once per slot and reused), copies every tensor into
 the staging slot the node daemon handed out (a ``/dev/shm`` file mapped once and kept mapped), and
 seals it. Checksums, replication and upload happen in the daemon.
+
+The coordinator gives the save an id (:func:`hp.tiered_ckpt.signed.new_save_id`) in
+``prepare_global_plan``; DCP hands each rank its plan with it (``SavePlan.storage_data``, as
+``FileSystemWriter`` does with its file prefixes), and every seal and the commit carry it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import mmap
 import os
@@ -21,7 +26,7 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.distributed.checkpoint.storage import StorageWriter, WriteResult
 
 from hp.core.privfs import open_private
-from hp.tiered_ckpt import fmt
+from hp.tiered_ckpt import fmt, signed
 from hp.tiered_ckpt.client import DaemonClient
 from hp.tiered_ckpt.config import TieredConfig
 
@@ -73,6 +78,7 @@ class TieredWriter(StorageWriter):
         self.persist = (step % cfg.persist_every == 0) if persist is None else persist
         self.client = _client(cfg)
         self.rank, self.world, self.is_coordinator = 0, 1, True
+        self.save_id = ""  # set by the coordinator's prepare_global_plan
 
     def reset(self, checkpoint_id=None) -> None:
         pass
@@ -87,7 +93,8 @@ class TieredWriter(StorageWriter):
         return plan
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
-        return plans
+        self.save_id = signed.new_save_id()
+        return [dataclasses.replace(p, storage_data=self.save_id) for p in plans]
 
     def storage_meta(self) -> StorageMeta | None:
         return StorageMeta(checkpoint_id=f"{self.cfg.namespace}/{fmt.step_dir(self.step)}")
@@ -128,7 +135,10 @@ class TieredWriter(StorageWriter):
             m.mm[o:o + n] = buf
         spans = [[o, n] for _, o, n in placed]
         url = self.cfg.persist_url if self.persist else None
-        self.client.seal(self.cfg.namespace, self.rank, self.step, self.world, path, size, spans, url)
+        if not signed.is_save_id(plan.storage_data):
+            raise RuntimeError(f"the save plan carries no save id (storage_data={plan.storage_data!r})")
+        self.client.seal(self.cfg.namespace, self.rank, self.step, self.world, path, size, spans, url,
+                         plan.storage_data)
         name = fmt.rank_file(self.rank)
         results = [WriteResult(index=item.index, size_in_bytes=n, storage_data=_StorageInfo(name, o, n))
                    for item, o, n in placed]
@@ -144,7 +154,8 @@ class TieredWriter(StorageWriter):
         # persistent tier (only steps that get persisted need it); hp itself reads the JSON form
         url = self.cfg.persist_url if self.persist else None
         blob = pickle.dumps(metadata) if url else b""
-        self.client.commit(self.cfg.namespace, self.step, self.world, fmt.metadata_to_json(metadata), blob, url)
+        self.client.commit(self.cfg.namespace, self.step, self.world, fmt.metadata_to_json(metadata), blob, url,
+                           self.save_id)
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id) -> bool:
