@@ -4,6 +4,7 @@ Real `hp run` jobs, a real `hp ckpt daemon`; losses compared bit for bit with a 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -14,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from hp.checkpointless.demo.run import DemoConfig, RunResult, compare, run_job
+from hp.checkpointless.demo.run import DemoConfig, RunResult, compare, compare_state, run_job
 from hp.core.auth import new_token
 from hp.core.testing import free_port, kill_tagged, wait_for
 from hp.tiered_ckpt.client import DaemonClient
@@ -26,10 +27,11 @@ def config(**kw) -> DemoConfig:
     return DemoConfig(corpus_mb=2, steps=STEPS, hang_timeout_s=10.0, **kw)
 
 
-@pytest.fixture(scope="module")
-def job_env(tmp_path_factory):
-    root = tmp_path_factory.mktemp("rung")
-    (root / "cache").mkdir()
+@contextlib.contextmanager
+def node_daemon(root: Path):
+    """A real `hp ckpt daemon` over a fresh /dev/shm directory: yields (the job's environment, that
+    directory); kills it, every process of the jobs that ran with it, and removes the directory."""
+    (root / "cache").mkdir(parents=True)
     token = new_token()
     shm = Path(tempfile.mkdtemp(prefix="hp-rung-test-", dir="/dev/shm"))
     port = free_port()
@@ -50,12 +52,19 @@ def job_env(tmp_path_factory):
     try:
         wait_for(up, 60, "hp ckpt daemon")
         yield {"HP_DATA_CACHE_DIR": str(root / "cache"), "HP_TEST_DIR": str(root), "HP_JOB_TOKEN": token,
-               "HP_CKPT_DAEMON": f"127.0.0.1:{port}"}
+               "HP_CKPT_DAEMON": f"127.0.0.1:{port}"}, shm
     finally:
+        client.close()
         os.killpg(daemon.pid, signal.SIGKILL)
         daemon.wait()
         kill_tagged(f"HP_TEST_DIR={root}")
         shutil.rmtree(shm, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def job_env(tmp_path_factory):
+    with node_daemon(tmp_path_factory.mktemp("rung")) as (env, _):
+        yield env
 
 
 @pytest.fixture(scope="module")
@@ -93,6 +102,70 @@ def test_a_job_started_again_resumes_from_the_newest_checkpoint(reference, job_e
     assert {(e["step"], e["tier"]) for e in restored(again)} == {(6, "memory")}
     assert sorted(again.losses()) == list(range(7, STEPS))  # nothing before the checkpoint recomputed
     assert all(again.losses()[s] == reference.losses()[s] for s in range(7, STEPS))
+
+
+def _corrupt_everywhere(shm: Path, persist: Path, namespace: str, step: int) -> list[str]:
+    """Flip one byte in the middle of the largest tensor item of ``step`` (the replicated model and
+    optimizer state) in every copy: the persistent tier's file and the daemon's slot (and replica, if
+    any) holding that file. Headers, manifests and metadata are left alone: only the item's CRC can
+    tell. Returns the paths changed."""
+    import json
+
+    from hp.tiered_ckpt import fmt
+
+    step_dir = persist / namespace / fmt.step_dir(step)
+    meta = json.loads((step_dir / fmt.META_JSON).read_text())
+    fqn, _, _, name, offset, length = max(meta["storage_data"], key=lambda e: e[5])
+    rank = int(name.removeprefix("__").split("_")[0])
+    assert name == fmt.rank_file(rank) and fqn.endswith(".data"), (fqn, name)
+    items = json.loads((step_dir / fmt.rank_manifest(rank)).read_text())["items"]
+    assert [offset, length] in [i[:2] for i in items], (offset, length, items)
+    at = offset + length // 2  # inside the tensor's bytes, far from the torch.save header before them
+    good = (step_dir / name).read_bytes()[offset:offset + length]
+    # the daemon's copies (a staging slot, replicas) are whichever of its files hold these very bytes there
+    held = [p for p in sorted((shm / namespace).rglob("*")) if p.is_file() and p.suffix != ".json"]
+    copies = [step_dir / name, *(p for p in held if p.read_bytes()[offset:offset + length] == good)]
+    assert len(copies) >= 2, f"step {step} of rank {rank}: no copy in the memory tier among {held}"
+    for path in copies:
+        with open(path, "r+b") as f:
+            f.seek(at)
+            byte = f.read(1)
+            f.seek(at)
+            f.write(bytes([byte[0] ^ 0x10]))
+    return [str(c) for c in copies]
+
+
+def test_a_restart_skips_a_newest_checkpoint_corrupt_in_every_tier(reference, tmp_path):
+    """The whole job dies at step 7 after checkpointing steps 3 and 6 into node memory and a persistent
+    tier; then a byte of step 6's model state flips in both tiers (only its CRC can tell). Started
+    again, the job warns that step 6 has no good copy, every rank loads step 3 instead, and steps
+    4..9 and the final weights and optimizer state of every rank are the bits of the fault-free run."""
+    namespace, newest, older = "rung-corrupt", 6, 3
+    args = ["--checkpoint", namespace, "--checkpoint-every", "3", "--checkpoint-persist-every", "3"]
+    persist = tmp_path / "persist"
+    with node_daemon(tmp_path / "node") as (env, shm):
+        env = {**env, "HP_CKPT_URL": f"file://{persist}"}
+        kill = [{"at_step": 7, "phase": "allreduce", "kind": "kill", "rank": 1}]
+        first = run_job(config(spares=0, train_args=args), str(tmp_path / "first"), kill, env)
+        assert first.returncode != 0 and sorted(first.losses()) == list(range(7)), first.output[-3000:]
+        client = DaemonClient(("127.0.0.1", int(env["HP_CKPT_DAEMON"].rsplit(":", 1)[1])), env["HP_JOB_TOKEN"])
+        try:
+            wait_for(lambda: [s["step"] for s in client.steps(namespace) if s["complete"] and s["persisted"]]
+                     == [older, newest], 60, f"steps {older} and {newest} complete in memory and persisted")
+        finally:
+            client.close()
+        changed = _corrupt_everywhere(Path(shm), persist, namespace, newest)
+
+        again = run_job(config(spares=0, train_args=args), str(tmp_path / "again"), [], env)
+    assert again.returncode == 0, f"corrupted {changed}\n{again.output[-6000:]}"
+    assert {(e["rank"], e["step"], e["tier"]) for e in restored(again)} == {(r, older, "memory") for r in range(4)}
+    assert f"step {newest} has no good copy" in again.output and "checksum mismatch" in again.output
+    assert sorted(again.losses()) == list(range(older + 1, STEPS))
+    assert all(again.losses()[s] == reference.losses()[s] for s in range(older + 1, STEPS))
+    assert all(again.local_losses()[s] == reference.local_losses()[s] for s in range(older + 1, STEPS))
+    state = compare_state(reference, again, nproc=4)
+    assert state["state_equal"] and {"params", "optimizer"} <= set(state["state_parts"]), state
+    assert not [e for e in again.events if e["event"] == "checkpoint_failed"]  # step 6 saved anew, and step 9
 
 
 def test_a_preempted_job_saves_its_last_committed_step_and_a_restart_resumes_there(job_env, tmp_path):

@@ -38,9 +38,14 @@ class JobCheckpoint(Protocol):
         """Save ``state_dict`` (a torch.distributed.checkpoint state dict) as ``step``. ``urgent``: the job
         is preempted: save whatever :meth:`due` says, into the most durable tier there is."""
 
-    def load(self, state_dict: dict[str, torch.Tensor], step: int | None = None) -> tuple[int, str] | None:
-        """Load the newest complete checkpoint (or ``step``) into ``state_dict`` in place; returns
-        ``(step, tier it came from)``, or None when there is no checkpoint."""
+    #: exceptions :meth:`load` raises, on every rank alike, when no tier holds a good copy of ``step``
+    #: (corrupt, truncated, refused): the runtime then restores an older step instead
+    unusable: tuple[type[BaseException], ...]
+
+    def load(self, state_dict: dict[str, torch.Tensor], step: int | None = None,
+             below: int | None = None) -> tuple[int, str] | None:
+        """Load the newest complete checkpoint (older than ``below`` if given; or ``step`` itself) into
+        ``state_dict`` in place; returns ``(step, tier it came from)``, or None when there is none."""
 
 
 def _parts(st: TrainingState, rank: int) -> dict[str, dict]:
@@ -82,20 +87,38 @@ def save_or_warn(st: TrainingState, rank: int, step: int, events: EventLog) -> N
         print(f"hp: warning: checkpoint of step {step} failed, training goes on: {error}", file=sys.stderr, flush=True)
 
 
+def _load(st: TrainingState, keys: list[str]) -> tuple[int, str, dict[str, torch.Tensor]] | None:
+    """The newest step whose every part loads: sizes first (to allocate), then the parts; a step whose
+    parts have no good copy anywhere is passed over for the next older one (all ranks alike)."""
+    below = None
+    while True:
+        sizes = {f"{k}.sizes": torch.zeros(2, dtype=torch.int64) for k in keys}
+        found = st.checkpoint.load(sizes, below=below)
+        if found is None:
+            return None
+        step, _ = found
+        bufs: dict[str, torch.Tensor] = {}
+        for k in keys:
+            json_len, nbytes = sizes[f"{k}.sizes"].tolist()
+            bufs[f"{k}.json"] = torch.zeros(json_len, dtype=torch.uint8)
+            bufs[f"{k}.data"] = torch.zeros(nbytes, dtype=torch.uint8)
+        try:
+            step, tier = st.checkpoint.load(bufs, step)
+        except st.checkpoint.unusable as e:
+            print(f"hp: warning: checkpoint of step {step} has no good copy ({e}); trying an older one",
+                  file=sys.stderr, flush=True)
+            below = step
+            continue
+        return step, tier, bufs
+
+
 def restore(st: TrainingState, rank: int) -> tuple[int, str] | None:
-    """Load the newest checkpoint into every registered object; returns (step, tier) or None."""
+    """Load the newest usable checkpoint into every registered object; returns (step, tier) or None."""
     keys = list(_parts(st, rank))
-    sizes = {f"{k}.sizes": torch.zeros(2, dtype=torch.int64) for k in keys}
-    found = st.checkpoint.load(sizes)
+    found = _load(st, keys)
     if found is None:
         return None
-    step, _ = found
-    bufs: dict[str, torch.Tensor] = {}
-    for k in keys:
-        json_len, nbytes = sizes[f"{k}.sizes"].tolist()
-        bufs[f"{k}.json"] = torch.zeros(json_len, dtype=torch.uint8)
-        bufs[f"{k}.data"] = torch.zeros(nbytes, dtype=torch.uint8)
-    step, tier = st.checkpoint.load(bufs, step)
+    step, tier, bufs = found
     parts = {}
     for k in keys:
         skeleton = json.loads(bufs[f"{k}.json"].numpy().tobytes())

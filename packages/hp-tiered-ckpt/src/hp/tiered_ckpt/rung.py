@@ -10,14 +10,16 @@ Implements :class:`hp.checkpointless.ladder.JobCheckpoint` by shape; neither pac
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 from hp.tiered_ckpt import api
 from hp.tiered_ckpt.config import TieredConfig
-from hp.tiered_ckpt.reader import NoCheckpointError
+from hp.tiered_ckpt.fmt import UnsafeItemError
+from hp.tiered_ckpt.reader import CheckpointCorruptError, NoCheckpointError
 
 
 class TieredRung:
+    unusable = (CheckpointCorruptError, UnsafeItemError)  # no good copy of a step in any tier
+
     def __init__(self, cfg: TieredConfig) -> None:
         self.cfg = cfg
 
@@ -28,22 +30,15 @@ class TieredRung:
     def save(self, state_dict: dict[str, torch.Tensor], step: int, urgent: bool = False) -> None:
         api.save(state_dict, step, self.cfg, force=urgent)
 
-    def load(self, state_dict: dict[str, torch.Tensor], step: int | None = None) -> tuple[int, str] | None:
-        if step is None:
-            step = self._newest()
-            if step < 0:
-                return None
-        reader = api.load(state_dict, self.cfg, step)
+    def load(self, state_dict: dict[str, torch.Tensor], step: int | None = None,
+             below: int | None = None) -> tuple[int, str] | None:
+        """Load ``step``, or (None) the newest step (older than ``below``) some tier holds a good copy of
+        — an older one when every copy of the newest is bad (``api.load`` agrees on the step across
+        ranks and falls back); None when there is no checkpoint at all."""
+        try:
+            reader = api.load(state_dict, self.cfg, step, below=below)
+        except NoCheckpointError:
+            if step is not None:
+                raise
+            return None
         return reader.step, "+".join(sorted(reader.tiers_used)) or reader.ref.tier
-
-    def _newest(self) -> int:
-        """Rank 0 looks, every rank learns the answer (-1: none), so that all load the same step or none."""
-        newest = torch.tensor([-1], dtype=torch.int64)
-        if not dist.is_initialized() or dist.get_rank() == 0:
-            try:
-                newest[0] = api.latest(self.cfg).step
-            except NoCheckpointError:
-                pass
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.broadcast(newest, 0)
-        return int(newest[0])
