@@ -57,10 +57,10 @@ def test_malformed_join_is_refused_and_changes_nothing(payload, status):
 
 def test_worker_failure_restarts_and_bumps_generation_until_budget_is_spent():
     c, _ = running(max_restarts=1)
-    d = c.handle("worker_failed", {"node_rank": 1, "generation": 1, "rank": 4, "signal": "SIGKILL", "pid": 7})
+    d = c.handle("worker_failed", {"node_rank": 1, "generation": 1, "rank": 4, "holder": c.holders[4], "signal": "SIGKILL", "pid": 7})
     assert d == {"action": "restart", "generation": 2, "rank": 4, "holder": "r4.1"}
     assert c.holders[4] == "r4.1"
-    d = c.handle("worker_failed", {"node_rank": 0, "generation": 2, "rank": 0, "exitcode": 3, "pid": 8})
+    d = c.handle("worker_failed", {"node_rank": 0, "generation": 2, "rank": 0, "holder": c.holders[0], "exitcode": 3, "pid": 8})
     assert d["action"] == "stop" and c.state is JobState.FAILED
     assert "rank 0 (node 0, pid 8) exited with code 3" in d["reason"]
     assert "restarts exhausted (1/1)" in d["reason"]
@@ -69,10 +69,10 @@ def test_worker_failure_restarts_and_bumps_generation_until_budget_is_spent():
 def test_report_with_an_old_generation_is_refused_and_logged(tmp_path):
     log = tmp_path / "decisions.jsonl"
     c, _ = running(max_restarts=5, decision_log=str(log))
-    c.handle("worker_failed", {"node_rank": 0, "generation": 1, "rank": 0, "signal": "SIGKILL"})
+    c.handle("worker_failed", {"node_rank": 0, "generation": 1, "rank": 0, "holder": c.holders[0], "signal": "SIGKILL"})
     before = (c.generation, c.restarts)
     with pytest.raises(Refused) as e:  # node 1 still believes in generation 1
-        c.handle("worker_failed", {"node_rank": 1, "generation": 1, "rank": 3, "signal": "SIGKILL"})
+        c.handle("worker_failed", {"node_rank": 1, "generation": 1, "rank": 3, "holder": c.holders[3], "signal": "SIGKILL"})
     assert e.value.status == 409 and e.value.extra == {"generation": 2}
     assert "stale generation 1 (current is 2)" in e.value.message
     assert (c.generation, c.restarts) == before
@@ -126,7 +126,7 @@ def test_unknown_request_is_refused():
 def test_a_failed_rank_goes_to_a_spare_of_its_own_node_first():
     published = []
     c, _ = running(spares=1, published=published)
-    d = c.handle("worker_failed", {"node_rank": 1, "generation": 1, "rank": 4, "signal": "SIGKILL"})
+    d = c.handle("worker_failed", {"node_rank": 1, "generation": 1, "rank": 4, "holder": c.holders[4], "signal": "SIGKILL"})
     assert d == {"action": "promote_spare", "spare": "n1s0", "rank": 4, "generation": 2}
     assert c.members[4] == 1 and sorted(c.free_spares) == ["n0s0"]
     # workers read the plan of generation 2, then the generation number, then the spare's rank
@@ -138,37 +138,37 @@ def test_a_failed_rank_goes_to_a_spare_of_its_own_node_first():
 
 def test_a_spare_on_another_node_is_told_through_its_heartbeat():
     c, _ = running(spares=1)
-    c.handle("worker_failed", {"node_rank": 1, "generation": 1, "rank": 4, "signal": "SIGKILL"})
-    d = c.handle("worker_failed", {"node_rank": 1, "generation": 2, "rank": 5, "signal": "SIGKILL"})
+    c.handle("worker_failed", {"node_rank": 1, "generation": 1, "rank": 4, "holder": c.holders[4], "signal": "SIGKILL"})
+    d = c.handle("worker_failed", {"node_rank": 1, "generation": 2, "rank": 5, "holder": c.holders[5], "signal": "SIGKILL"})
     assert d == {"action": "moved", "rank": 5, "node": 0, "generation": 3}
     assert c.members[5] == 0
     beat = c.handle("heartbeat", {"node_rank": 0, "generation": 3})
     assert beat["promotions"] == [{"spare": "n0s0", "rank": 5, "generation": 3}]
     assert c.handle("heartbeat", {"node_rank": 0, "generation": 3})["promotions"] == []
-    d = c.handle("worker_failed", {"node_rank": 0, "generation": 3, "rank": 0, "signal": "SIGKILL"})
+    d = c.handle("worker_failed", {"node_rank": 0, "generation": 3, "rank": 0, "holder": c.holders[0], "signal": "SIGKILL"})
     assert d["action"] == "stop" and "no spare left (2 started) and restarts exhausted (0/0)" in d["reason"]
 
 
 def test_a_rank_reports_only_ranks_it_holds():
     c, _ = running(spares=1)
     with pytest.raises(Refused) as e:
-        c.handle("worker_failed", {"node_rank": 0, "generation": 1, "rank": 4, "signal": "SIGKILL"})
+        c.handle("worker_failed", {"node_rank": 0, "generation": 1, "rank": 4, "holder": c.holders[4], "signal": "SIGKILL"})
     assert e.value.status == 403 and c.generation == 1
 
 
 def test_in_process_failures_reform_then_escalate():
     c, _ = running(max_rank_exceptions=2)
     for expected_generation in (2, 3):
-        d = c.handle("rank_failed", {"node_rank": 0, "generation": expected_generation - 1, "rank": 1,
+        d = c.handle("rank_failed", {"node_rank": 0, "generation": expected_generation - 1, "rank": 1, "holder": c.holders[1],
                                      "reason": "exception"})
         assert d == {"action": "reform", "generation": expected_generation}
-    d = c.handle("rank_failed", {"node_rank": 0, "generation": 3, "rank": 1, "reason": "exception"})
+    d = c.handle("rank_failed", {"node_rank": 0, "generation": 3, "rank": 1, "holder": c.holders[1], "reason": "exception"})
     assert d["action"] == "exit" and c.generation == 3 and c.decisions[-1]["decision"] == "escalate"
 
 
 def test_a_dead_spare_leaves_the_pool():
     c, _ = running(spares=1)
-    c.handle("spare_failed", {"node_rank": 1, "spare": "n1s0"})
+    c.handle("spare_failed", {"node_rank": 1, "generation": c.generation, "spare": "n1s0"})
     assert sorted(c.free_spares) == ["n0s0"]
 
 
@@ -179,6 +179,38 @@ def test_a_report_from_a_replaced_process_is_refused():
     with pytest.raises(Refused, match="stale holder 'r4.0'"):
         c.handle("worker_failed", {"node_rank": 1, "generation": 2, "rank": 4, "holder": "r4.0", "exitcode": 1})
     assert sorted(c.free_spares) == ["n0s0"]
+
+
+
+def test_every_state_changing_verb_is_fenced():
+    """#14: holder fencing was optional and rank_failed, node_stopping, spare_* were not generation-fenced,
+    so a stale or fenced process could still act. Each refusal below changes nothing."""
+    c, _ = running(spares=1, max_restarts=1)
+    for verb, payload in (("worker_failed", {"rank": 1, "signal": "SIGKILL"}),  # no holder: not optional any more
+                          ("rank_failed", {"rank": 1, "reason": "exception"})):
+        with pytest.raises(Refused, match="field 'holder'") as e:
+            c.handle(verb, {"node_rank": 0, "generation": 1, **payload})
+        assert e.value.status == 400
+    c.handle("worker_failed", {"node_rank": 0, "generation": 1, "rank": 1, "holder": "r1.0", "signal": "SIGKILL"})
+    assert c.holders[1] == "spare.n0s0" and c.generation == 2
+    before = (c.generation, dict(c.holders), sorted(c.free_spares), c.rank_exceptions)
+    # the replaced process (r1.0) reports an exception of its own step: it holds nothing now
+    with pytest.raises(Refused, match="stale holder 'r1.0'") as e:
+        c.handle("rank_failed", {"node_rank": 0, "generation": 2, "rank": 1, "holder": "r1.0", "reason": "exception"})
+    assert e.value.status == 409
+    # an agent that missed generation 2 cannot add, or strike off, spares
+    for verb, spare in (("spare_added", "n0s1"), ("spare_failed", "n1s0")):
+        with pytest.raises(Refused, match="stale generation 1") as e:
+            c.handle(verb, {"node_rank": 0 if verb == "spare_added" else 1, "generation": 1, "spare": spare})
+        assert e.value.status == 409 and e.value.extra["generation"] == 2
+    # node_stopping naming a generation not made yet is forged; one naming an older one is a real stop
+    with pytest.raises(Refused, match="unknown future generation 9"):
+        c.handle("node_stopping", {"node_rank": 1, "generation": 9, "reason": "SIGTERM"})
+    with pytest.raises(Refused, match="field 'generation'"):
+        c.handle("node_stopping", {"node_rank": 1, "reason": "SIGTERM"})
+    assert (c.generation, dict(c.holders), sorted(c.free_spares), c.rank_exceptions) == before
+    assert c.state is JobState.RUNNING
+    assert c.handle("node_stopping", {"node_rank": 1, "generation": 1, "reason": "SIGTERM"})["state"] == "failed"
 
 
 # ---- node loss -------------------------------------------------------------------------------
@@ -236,9 +268,9 @@ def test_the_lost_node_address_is_reported_and_told_to_survivors():
 # ---- spare replenishment ---------------------------------------------------------------------
 def test_an_added_spare_is_free_for_the_next_failure():
     c, _ = running(spares=1)
-    c.handle("worker_failed", {"node_rank": 1, "generation": 1, "rank": 4, "signal": "SIGKILL"})  # takes n1s0
-    assert c.handle("spare_added", {"node_rank": 1, "spare": "n1s1"}) == {"free_spares": 2}
-    d = c.handle("worker_failed", {"node_rank": 1, "generation": 2, "rank": 5, "signal": "SIGKILL"})
+    c.handle("worker_failed", {"node_rank": 1, "generation": 1, "rank": 4, "holder": c.holders[4], "signal": "SIGKILL"})  # takes n1s0
+    assert c.handle("spare_added", {"node_rank": 1, "generation": c.generation, "spare": "n1s1"}) == {"free_spares": 2}
+    d = c.handle("worker_failed", {"node_rank": 1, "generation": 2, "rank": 5, "holder": c.holders[5], "signal": "SIGKILL"})
     assert d["action"] == "promote_spare" and d["spare"] == "n1s1"
     assert [x["decision"] for x in c.decisions].count("spare_added") == 1
 
@@ -251,22 +283,22 @@ def test_an_added_spare_is_free_for_the_next_failure():
 def test_a_bad_added_spare_is_refused(spare, status, message):
     c, _ = running(spares=1)
     with pytest.raises(Refused) as e:
-        c.handle("spare_added", {"node_rank": 1, "spare": spare})
+        c.handle("spare_added", {"node_rank": 1, "generation": c.generation, "spare": spare})
     assert e.value.status == status and message in e.value.message
 
 
 # ---- spare readiness -------------------------------------------------------------------------
 def test_a_ready_spare_is_promoted_before_one_still_starting_even_across_nodes():
     c, _ = running(spares=1)
-    c.handle("worker_failed", {"node_rank": 1, "generation": 1, "rank": 4, "signal": "SIGKILL"})  # takes n1s0
-    c.handle("spare_added", {"node_rank": 1, "spare": "n1s1"})  # starting: node 1's own, but not ready
+    c.handle("worker_failed", {"node_rank": 1, "generation": 1, "rank": 4, "holder": c.holders[4], "signal": "SIGKILL"})  # takes n1s0
+    c.handle("spare_added", {"node_rank": 1, "generation": c.generation, "spare": "n1s1"})  # starting: node 1's own, but not ready
     assert c.handle("spare_ready", {"node_rank": 0, "spare": "n0s0"}) == {"ready": True}
-    d = c.handle("worker_failed", {"node_rank": 1, "generation": 2, "rank": 5, "signal": "SIGKILL"})
+    d = c.handle("worker_failed", {"node_rank": 1, "generation": 2, "rank": 5, "holder": c.holders[5], "signal": "SIGKILL"})
     assert d == {"action": "moved", "rank": 5, "node": 0, "generation": 3}
     assert c.decisions[-1]["decision"] == "promote_spare" and c.decisions[-1]["ready"] is True
     assert c.snapshot()["ready_spares"] == [] and sorted(c.free_spares) == ["n1s1"]
     # with no ready spare left, the one still starting is used rather than failing the job
-    d = c.handle("worker_failed", {"node_rank": 1, "generation": 3, "rank": 3, "signal": "SIGKILL"})
+    d = c.handle("worker_failed", {"node_rank": 1, "generation": 3, "rank": 3, "holder": c.holders[3], "signal": "SIGKILL"})
     assert d["action"] == "promote_spare" and d["spare"] == "n1s1"
     assert c.decisions[-1]["ready"] is False
 
@@ -275,7 +307,7 @@ def test_among_ready_spares_the_failed_rank_s_own_node_goes_first():
     c, _ = running(spares=2)
     for node, spare in [(0, "n0s0"), (1, "n1s1")]:
         c.handle("spare_ready", {"node_rank": node, "spare": spare})
-    d = c.handle("worker_failed", {"node_rank": 1, "generation": 1, "rank": 4, "signal": "SIGKILL"})
+    d = c.handle("worker_failed", {"node_rank": 1, "generation": 1, "rank": 4, "holder": c.holders[4], "signal": "SIGKILL"})
     assert d["spare"] == "n1s1"  # ready and local, before n1s0 (local, starting) and n0s0 (ready, remote)
     assert [x["spare"] for x in c.decisions if x["decision"] == "spare_ready"] == ["n0s0", "n1s1"]
 
@@ -300,7 +332,7 @@ def test_a_promoted_or_dead_spare_is_no_longer_ready():
     c, _ = running(spares=1)
     for node in (0, 1):
         c.handle("spare_ready", {"node_rank": node, "spare": f"n{node}s0"})
-    c.handle("worker_failed", {"node_rank": 1, "generation": 1, "rank": 4, "signal": "SIGKILL"})
-    c.handle("spare_failed", {"node_rank": 0, "spare": "n0s0"})
+    c.handle("worker_failed", {"node_rank": 1, "generation": 1, "rank": 4, "holder": c.holders[4], "signal": "SIGKILL"})
+    c.handle("spare_failed", {"node_rank": 0, "generation": c.generation, "spare": "n0s0"})
     assert c.snapshot()["ready_spares"] == [] and c.free_spares == {}
     assert c.handle("spare_ready", {"node_rank": 1, "spare": "n1s0"}) == {"ready": False}  # late report

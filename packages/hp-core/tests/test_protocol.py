@@ -107,7 +107,7 @@ def test_what_the_controller_publishes_parses():
     c = Controller(ControllerConfig(nnodes=2), publish=lambda k, v: published.append((k, v)))
     for n in range(2):
         c.handle(Verb.JOIN, {"node_rank": n, "nproc": 2, "host": f"h{n}", "spares": 1})
-    c.handle(Verb.WORKER_FAILED, {"node_rank": 1, "generation": 1, "rank": 3, "signal": "SIGKILL"})
+    c.handle(Verb.WORKER_FAILED, {"node_rank": 1, "generation": 1, "rank": 3, "holder": c.holders[3], "signal": "SIGKILL"})
     store = dict(published)
     assert store[GENERATION_KEY] == "2"
     assert Plan.from_json(store[plan_key(1)]) == Plan(1, 4, "running", "", {r: worker_holder(r, 0) for r in range(4)},

@@ -73,9 +73,8 @@ def elastic(nnodes: int = 2, nproc: int = 2, spares: int = 0, min_replicas: int 
 
 
 def died(c: ElasticController, node: int, rank: int, holder: str | None = None, **extra) -> dict:
-    payload = {"node_rank": node, "generation": c.generation, "rank": rank, "signal": "SIGKILL", **extra}
-    if holder is not None:
-        payload["holder"] = holder
+    payload = {"node_rank": node, "generation": c.generation, "rank": rank, "signal": "SIGKILL",
+               "holder": c.holders.get(rank, "") if holder is None else holder, **extra}
     return c.handle("worker_failed", payload)
 
 
@@ -101,8 +100,8 @@ def test_the_test_scaler_is_a_scaler():
 def test_a_rank_dying_with_no_spare_shrinks_the_job_and_renumbers_the_survivors_stably():
     c, store, scaler, _ = elastic()
     # in-process failures counted against ranks 1 and 3 (generations 2 and 3)
-    c.handle("rank_failed", {"node_rank": 1, "generation": 1, "rank": 3, "reason": "exception"})
-    c.handle("rank_failed", {"node_rank": 0, "generation": 2, "rank": 1, "reason": "exception"})
+    c.handle("rank_failed", {"node_rank": 1, "generation": 1, "rank": 3, "holder": c.holders[3], "reason": "exception"})
+    c.handle("rank_failed", {"node_rank": 0, "generation": 2, "rank": 1, "holder": c.holders[1], "reason": "exception"})
     assert c.rank_exceptions == {3: 1, 1: 1}
 
     d = died(c, 0, 1, holder="r1.0", pid=9)
@@ -197,7 +196,7 @@ def test_a_job_shrunk_to_its_minimum_stops_at_the_next_death_without_restarts():
 def test_the_replacement_of_a_dead_rank_grows_the_job_back_when_ready():
     c, store, scaler, _ = elastic()
     died(c, 0, 1, holder="r1.0")  # generation 2, world 3
-    assert c.handle("spare_added", {"node_rank": 0, "spare": "n0s0", "joiner": True}) == {"free_spares": 1}
+    assert c.handle("spare_added", {"node_rank": 0, "generation": c.generation, "spare": "n0s0", "joiner": True}) == {"free_spares": 1}
     assert c.snapshot()["joiners"] == ["n0s0"] and c.generation == 2  # starting: nothing changes yet
 
     assert c.handle("spare_ready", {"node_rank": 0, "spare": "n0s0"}) == {"ready": True}
@@ -232,7 +231,7 @@ def test_the_replacement_of_a_dead_rank_grows_the_job_back_when_ready():
 def test_a_replacement_spare_that_is_not_a_joiner_stays_in_reserve():
     c, store, _, _ = elastic()
     died(c, 0, 1, holder="r1.0")
-    c.handle("spare_added", {"node_rank": 0, "spare": "n0s0"})  # no joiner flag: a replenished spare
+    c.handle("spare_added", {"node_rank": 0, "generation": c.generation, "spare": "n0s0"})  # no joiner flag: a replenished spare
     assert c.handle("spare_ready", {"node_rank": 0, "spare": "n0s0"}) == {"ready": True}
     assert c.generation == 2 and len(c.members) == 3 and sorted(c.free_spares) == ["n0s0"]
     assert c.snapshot()["joiners"] == []
@@ -241,7 +240,7 @@ def test_a_replacement_spare_that_is_not_a_joiner_stays_in_reserve():
 def test_a_joiner_does_not_grow_the_job_past_max_replicas():
     c, store, _, _ = elastic(max_replicas=3)
     died(c, 0, 1, holder="r1.0")
-    c.handle("spare_added", {"node_rank": 0, "spare": "n0s0", "joiner": True})
+    c.handle("spare_added", {"node_rank": 0, "generation": c.generation, "spare": "n0s0", "joiner": True})
     c.handle("spare_ready", {"node_rank": 0, "spare": "n0s0"})
     # the job started above max (4 > 3); shrunk to max, it never grows past it
     assert c.generation == 2 and len(c.members) == 3
@@ -339,7 +338,7 @@ def test_a_dead_rank_s_replacement_does_not_wait_for_another_node_s_joiners():
     c, store, _, _ = elastic(max_replicas=6, max_nodes=3)
     died(c, 0, 1, holder="r1.0")  # shrink: world 3, generation 2
     c.handle("join", {"node_rank": 2, "nproc": 2, "host": "h2"})  # starting
-    c.handle("spare_added", {"node_rank": 0, "spare": "n0s0", "joiner": True})
+    c.handle("spare_added", {"node_rank": 0, "generation": c.generation, "spare": "n0s0", "joiner": True})
     c.handle("spare_ready", {"node_rank": 0, "spare": "n0s0"})
     assert c.generation == 3 and store.plan(3).holders == {0: "r0.0", 1: "r2.0", 2: "r3.0", 3: "spare.n0s0"}
     assert c.snapshot()["joiners"] == ["n2s0", "n2s1"]
@@ -367,7 +366,7 @@ def test_a_node_rank_that_left_rejoins_with_spare_ids_never_used_before():
     assert c.handle("rendezvous", {"node_rank": 2})["spare_ids"] == ["n2s0"]
     c.handle("spare_ready", {"node_rank": 2, "spare": "n2s0"})  # grows: rank 4 is spare.n2s0
     assert store.plan(2).holders[4] == "spare.n2s0"
-    c.handle("spare_added", {"node_rank": 2, "spare": "n2s1"})  # a replenished spare
+    c.handle("spare_added", {"node_rank": 2, "generation": c.generation, "spare": "n2s1"})  # a replenished spare
     c.handle("node_leaving", {"node_rank": 2, "generation": 2})
     assert store.plan(3).holders == {0: "r0.0", 1: "r1.0", 2: "r2.0", 3: "r3.0"}
 
@@ -376,7 +375,7 @@ def test_a_node_rank_that_left_rejoins_with_spare_ids_never_used_before():
     assert a["rank_offset"] == -1 and a["spare_ids"] == ["n2s2", "n2s3", "n2s4"]
     assert c.snapshot()["joiners"] == ["n2s2", "n2s3"] and c.snapshot()["nodes"][2]["done"] is False
     # the agent's own next id follows its last one: never one the controller gave before
-    e = refused(c, "spare_added", {"node_rank": 2, "spare": "n2s1"})
+    e = refused(c, "spare_added", {"node_rank": 2, "generation": c.generation, "spare": "n2s1"})
     assert e.status == 409
     c.handle("spare_ready", {"node_rank": 2, "spare": "n2s3"})
     assert c.generation == 3  # n2s2 still starting
@@ -671,7 +670,7 @@ def test_after_a_joiner_died_the_other_nodes_joiners_still_grow_the_job():
     c, store, _, _ = elastic(max_nodes=4, max_replicas=6)
     for n in (2, 3):
         c.handle("join", {"node_rank": n, "nproc": 1, "host": f"h{n}"})
-    c.handle("spare_failed", {"node_rank": 2, "spare": "n2s0"})
+    c.handle("spare_failed", {"node_rank": 2, "generation": c.generation, "spare": "n2s0"})
     assert c.handle("spare_ready", {"node_rank": 3, "spare": "n3s0"}) == {"ready": True}
     assert store.plan(2).holders[4] == "spare.n3s0"
     assert c.snapshot()["joiners"] == []
@@ -705,7 +704,7 @@ def test_holder_ids_stay_unique_across_restarts_and_renumbering():
     c, store, _, _ = elastic(min_replicas=3, max_restarts=2)
     assert died(c, 1, 3, holder="r3.0")["action"] == FailureAction.SHRINK  # world 3 = min
     assert died(c, 0, 1, holder="r1.0")["action"] == FailureAction.RESTART  # holder r1.1
-    c.handle("spare_added", {"node_rank": 1, "spare": "n1s0", "joiner": True})
+    c.handle("spare_added", {"node_rank": 1, "generation": c.generation, "spare": "n1s0", "joiner": True})
     c.handle("spare_ready", {"node_rank": 1, "spare": "n1s0"})  # grows back to 4
     assert c.holders == {0: "r0.0", 1: "r1.1", 2: "r2.0", 3: "spare.n1s0"}
     assert died(c, 0, 0, holder="r0.0")["action"] == FailureAction.SHRINK  # r1.1 is rank 0 now
@@ -729,10 +728,10 @@ def test_a_joiner_that_dies_before_its_agent_hears_of_its_rank_is_a_dead_rank():
     promotion reaches it with its next heartbeat) and reports spare_failed; the job must not wait for it."""
     c, store, _, _ = elastic(min_replicas=2)
     died(c, 1, 3, holder="r3.0")  # shrink to 3
-    c.handle("spare_added", {"node_rank": 1, "spare": "n1s0", "joiner": True})
+    c.handle("spare_added", {"node_rank": 1, "generation": c.generation, "spare": "n1s0", "joiner": True})
     c.handle("spare_ready", {"node_rank": 1, "spare": "n1s0"})  # grow: n1s0 holds rank 3
     assert store.plan(c.generation).holders[3] == "spare.n1s0"
-    d = c.handle("spare_failed", {"node_rank": 1, "spare": "n1s0"})
+    d = c.handle("spare_failed", {"node_rank": 1, "generation": c.generation, "spare": "n1s0"})
     assert d == {"rank": 3, "action": FailureAction.SHRINK, "generation": c.generation, "world_size": 3}
     assert "spare.n1s0" not in store.plan(c.generation).holders.values()
 
@@ -740,5 +739,5 @@ def test_a_joiner_that_dies_before_its_agent_hears_of_its_rank_is_a_dead_rank():
 def test_a_free_spare_that_dies_is_only_struck_off():
     c, store, _, _ = elastic(spares=1)
     generation = c.generation
-    assert c.handle("spare_failed", {"node_rank": 1, "spare": "n1s0"}) == {"free_spares": 1}
+    assert c.handle("spare_failed", {"node_rank": 1, "generation": c.generation, "spare": "n1s0"}) == {"free_spares": 1}
     assert c.generation == generation and decisions(c, Decision.SPARE_LOST)[-1]["spare"] == "n1s0"

@@ -4,6 +4,25 @@ Pure state machine: it receives decoded, authenticated requests from agents (see
 :mod:`hp.core.control_plane` for the wire) and answers with decisions. Every membership change bumps
 the generation; a mutating request that carries an older generation is refused, so an agent that
 missed a change can never act on a stale view.
+
+Fencing, verb by verb (every request names its node, which must be a member and not declared lost):
+
+============== ======================================================================================
+verb           fenced by
+============== ======================================================================================
+worker_failed  the current generation and the holder: the reporting process must hold the rank now
+rank_failed    the current generation and the holder (the worker's own report)
+spare_failed   the current generation (the agent catches up once and asks again)
+spare_added    the current generation
+node_done      the current generation
+node_leaving   the current generation (:class:`hp.core.rescale.ElasticController`)
+node_stopping  a generation no newer than the current one: a member node that stops takes its ranks
+               with it whatever it has seen, but one that names a generation not made yet is forged
+spare_ready    the spare itself: only a free spare of that node moves up the free list, nothing else
+heartbeat      none: liveness whatever the agent has seen; the answer carries the current generation
+join           the job's state: only during rendezvous (or, elastic, a node not yet a member)
+scale          none: the operator sets the desired capacity, not a change relative to a generation
+============== ======================================================================================
 """
 
 from __future__ import annotations
@@ -319,6 +338,16 @@ class Controller:
             answer["finished"] = self._finished()
         return answer
 
+    def _held_rank(self, p: dict, node: NodeRecord) -> int:
+        """The rank a failure report is about, fenced by holder: the reporting process (``holder``) must
+        be the one holding it now; an older holder (a restarted or replaced process) acts on nothing."""
+        holder = request_field(p, "holder", str)
+        rank = self._member_rank(p, node)
+        if holder != self.holders[rank]:
+            raise Refused(409, f"stale holder {holder!r} of rank {rank} (now {self.holders[rank]!r})",
+                          generation=self.generation)
+        return rank
+
     def _member_rank(self, p: dict, node: NodeRecord) -> int:
         """The rank a request is about: the one its ``holder`` holds when given (ranks are renumbered by
         scale events, a process's holder id never changes), else ``rank``."""
@@ -335,11 +364,7 @@ class Controller:
         process is restarted within the budget, else the job stops."""
         node = self._fence(p)
         self._require_running()
-        rank = self._member_rank(p, node)
-        holder = p.get("holder", self.holders[rank])
-        if holder != self.holders[rank]:
-            raise Refused(409, f"stale holder {holder!r} of rank {rank} (now {self.holders[rank]!r})",
-                          generation=self.generation)
+        rank = self._held_rank(p, node)
         exitcode, signal_name = p.get("exitcode"), p.get("signal")
         who = f"rank {rank} (node {node.node_rank}, pid {p.get('pid')})"
         cause = describe_exit(exitcode, signal_name if isinstance(signal_name, str) else None)
@@ -404,7 +429,7 @@ class Controller:
         failing is told to exit, so that its process is replaced."""
         node = self._fence(p)
         self._require_running()
-        rank = self._member_rank(p, node)
+        rank = self._held_rank(p, node)
         reason = p.get("reason") if isinstance(p.get("reason"), str) else "failure"
         if reason == "unrecoverable":  # state no peer can rebuild: in-process recovery is over
             message = p.get("message") if isinstance(p.get("message"), str) else "state lost"
@@ -423,7 +448,7 @@ class Controller:
     def _spare_failed(self, p: dict) -> dict:
         """A spare process died. One given a rank since its agent's last heartbeat is a dead rank: answered
         as ``worker_failed`` (its agent acts on the decision); a free one is only struck off."""
-        node = self._node(p)
+        node = self._fence(p)
         spare = request_field(p, "spare", str)
         holder = spare_holder(spare)
         rank = next((r for r, h in self.holders.items() if h == holder), None)
@@ -437,7 +462,7 @@ class Controller:
 
     def _spare_added(self, p: dict) -> dict:
         """An agent started a new hot spare (replacing a promoted one): it is free for any rank."""
-        node = self._node(p)
+        node = self._fence(p)
         self._require_running()
         spare = request_field(p, "spare", str)
         if (problem := self.spares.invalid_new(spare, node.node_rank)) is not None:
@@ -476,6 +501,10 @@ class Controller:
 
     def _node_stopping(self, p: dict) -> dict:
         node = self._node(p)
+        generation = request_field(p, "generation", int)
+        if generation > self.generation:
+            raise Refused(409, f"unknown future generation {generation} (current is {self.generation})",
+                          generation=self.generation)
         why = p.get("reason") if isinstance(p.get("reason"), str) else "stopping"
         if self.state in (JobState.RUNNING, JobState.RENDEZVOUS):
             self._fail(f"node {node.node_rank} stopped: {why}")

@@ -168,7 +168,7 @@ class ElasticController(Controller):
         """Graceful preemption of a node (its agent got SIGTERM): its ranks leave at the next step boundary.
         Answers ``leave``; or ``save`` when the job cannot go on without the node (below the policy's
         minimum, or the node hosts the controller): the job is preempted and saves its last committed step."""
-        node = self._node(p)
+        node = self._fence(p)
         if self.state is JobState.PREEMPTED:
             return self._preempt_job(self.reason)  # another node already took the job down: it saves
         self._require_running()
