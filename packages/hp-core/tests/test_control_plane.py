@@ -53,9 +53,9 @@ def test_wrong_token_is_refused_logged_and_changes_nothing(server, caplog):
 def test_old_generation_is_refused_over_the_wire(server):
     client = ControlClient(server.endpoint, TOKEN)
     client.call("join", {"node_rank": 0, "nproc": 2, "host": "h"})
-    client.call("worker_failed", {"node_rank": 0, "generation": 1, "rank": 1, "signal": "SIGKILL"})
+    client.call("worker_failed", {"node_rank": 0, "generation": 1, "rank": 1, "holder": "r1.0", "signal": "SIGKILL"})
     with pytest.raises(ControlPlaneError) as e:
-        client.call("worker_failed", {"node_rank": 0, "generation": 1, "rank": 0, "signal": "SIGKILL"})
+        client.call("worker_failed", {"node_rank": 0, "generation": 1, "rank": 0, "holder": "r0.0", "signal": "SIGKILL"})
     assert e.value.status == 409 and e.value.body["generation"] == 2
     assert server.controller.restarts == 1
     assert server.controller.decisions[-1]["reason"] == "stale generation 1 (current is 2)"
@@ -78,8 +78,9 @@ def test_malformed_or_unsigned_bodies_are_refused(server, body, sign):
 def test_bad_path_and_length_are_refused(server):
     status, _ = raw_post(server, "/elsewhere", b"{}", {})
     assert status == 400
-    body, signature = auth.encode_request(TOKEN, {"x": 1})
-    status, answer = raw_post(server, "/v1/nope", body, {auth.SIGNATURE_HEADER: signature})
+    body, signature = auth.encode_request(auth.node_key(TOKEN, auth.OPERATOR), {"x": 1}, method="POST", path="/v1/nope")
+    status, answer = raw_post(server, "/v1/nope", body,
+                              {auth.SIGNATURE_HEADER: signature, auth.NODE_HEADER: auth.OPERATOR})
     assert status == 404 and "unknown request" in answer["error"]
 
 

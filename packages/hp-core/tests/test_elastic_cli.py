@@ -17,7 +17,7 @@ from hp.core.testing import HP, free_port
 
 def hp(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
     return subprocess.run([*HP, *args], capture_output=True, text=True, timeout=120,
-                          env={**os.environ, "HP_JOB_TOKEN": "t0ken", **(env or {})})
+                          env={**os.environ, "HP_JOB_TOKEN": "t0ken" * 8, **(env or {})})
 
 
 def one_line_usage_error(out: subprocess.CompletedProcess, message: str) -> None:

@@ -64,3 +64,31 @@ def test_a_node_that_never_publishes_is_named_and_the_wait_keeps_the_agent_alive
         assert beats  # the agent heartbeats the controller while it waits
     finally:
         server.close()
+
+
+def test_a_forged_endpoint_is_refused_and_a_node_publishes_its_own_again():
+    from hp.core.protocol import node_service_key
+    from hp.core.signed_values import seal
+
+    server = get_backend("store", "tcp").serve("127.0.0.1")
+    try:
+        # unsealed, and sealed for another key: a node would connect its service to the forger
+        server.store.set(node_service_key("svc", 1), "evil:1")
+        with pytest.raises(ServiceError, match=r"nodes \[1\] did not publish"):
+            ServiceHost._exchange(server.store, "svc", _node(0), "ep0", 1.5, lambda: None)
+        got: dict[int, list[str]] = {}
+
+        def node(rank: int) -> None:
+            store = get_backend("store", "tcp").connect(server.host, server.port)
+            got[rank] = ServiceHost._exchange(store, "svc", _node(rank), f"ep{rank}", 30, lambda: None)
+
+        first = threading.Thread(target=node, args=(0,))
+        first.start()
+        server.store.set(node_service_key("svc", 0), seal("t", node_service_key("svc", 1), "evil:0"))
+        second = threading.Thread(target=node, args=(1,))
+        second.start()
+        for t in (first, second):
+            t.join(60)
+        assert got == {0: ["ep0", "ep1"], 1: ["ep0", "ep1"]}
+    finally:
+        server.close()

@@ -32,7 +32,7 @@ def test_a_bad_policy_is_one_line_exit_2_and_starts_nothing(tmp_path, keys, prob
     out = subprocess.run(
         [*HP, "run", "--nnodes", "1:2", "--rdzv-endpoint", f"127.0.0.1:{free_port()}", "--scaling-policy", policy,
          "--log-dir", str(logs), "-m", "x"],
-        capture_output=True, text=True, timeout=120, env={**os.environ, "HP_JOB_TOKEN": "t0ken"})
+        capture_output=True, text=True, timeout=120, env={**os.environ, "HP_JOB_TOKEN": "t0ken" * 8})
     assert out.returncode == 2, (out.stdout, out.stderr)
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and "Traceback" not in out.stderr, out.stderr

@@ -26,16 +26,19 @@ from hp.checkpointless.transaction import StepTransaction
 from hp.core.control_plane import ControlClient
 from hp.core.errors import ControlPlaneError
 from hp.core.protocol import RESIZES, STATE_NBYTES_KEY, Event, FailureAction, JobState, Plan, Verb
+from hp.core.signed_values import Refusals, sealing
 
 EXIT_ESCALATED = 75  # EX_TEMPFAIL: this rank keeps failing; the agent replaces the process
 
 
 class Formation:
     def __init__(self, *, rank: int, spare_id: str | None, node_rank: int, holder: str, store: dist.Store,
-                 controller: ControlClient, machine: RecoveryMachine, link: GroupLink, events: EventLog,
-                 fire: Callable[[int, str], None]) -> None:
+                 token: str, controller: ControlClient, machine: RecoveryMachine, link: GroupLink, events: EventLog,
+                 fire: Callable[[int, str], None], refusals: Refusals | None = None) -> None:
         self.rank, self.spare_id, self.node_rank, self.holder = rank, spare_id, node_rank, holder
         self._store, self._controller, self._machine, self._link = store, controller, machine, link
+        self._view = membership.JobView(store, token, refusals)  # the sealed values this process acts on
+        self._publish = sealing(store.set, token)
         self._events, self._fire = events, fire
         self._agree: torch.Tensor | None = None  # kept referenced: see group.py
         self._agree_ring: torch.Tensor | None = None  # the held ring, agreed (kept referenced too)
@@ -45,7 +48,7 @@ class Formation:
         if self.spare_id is None:
             self.reform(st, tx, start_generation)
             return
-        self._prepare_receive_buffer(st, self._store)  # now, if the job published its size: ready means ready
+        self._prepare_receive_buffer(st, self._view)  # now, if the job published its size: ready means ready
         cpu = os.times()
         self._events.record(Event.SPARE_READY, spare=self.spare_id, cpu_s=round(cpu.user + cpu.system, 3))
         try:
@@ -53,16 +56,19 @@ class Formation:
         except ControlPlaneError as e:  # best effort: a spare never heard from is still promoted when none is ready
             self._events.record(Event.SPARE_READY_UNREPORTED, spare=self.spare_id, error=str(e)[:300])
         self.rank, generation = membership.wait_for_assignment(
-            self._store, self.spare_id, on_idle=lambda store: self._prepare_receive_buffer(st, store))
+            self._view, self.spare_id, on_idle=lambda view: self._prepare_receive_buffer(st, view))
         self._events.record(Event.ASSIGNED, spare=self.spare_id, rank=self.rank, generation=generation)
         self.reform(st, tx, generation)
 
-    def _prepare_receive_buffer(self, st: TrainingState, store: dist.Store) -> None:
+    def _prepare_receive_buffer(self, st: TrainingState, view: membership.JobView) -> None:
         """Spare, while waiting: allocate and fault in the buffer a hydration will land in. Page faults
-        into fresh memory cost several times the transfer itself (INFRA.md "Measured floors")."""
-        if st.receive_buffer is not None or not store.check([STATE_NBYTES_KEY]):
+        into fresh memory cost several times the transfer itself (INFRA.md "Measured floors"). A forged
+        size (one that would exhaust this host's memory, say) is refused: no buffer, until a genuine one."""
+        if st.receive_buffer is not None:
             return
-        nbytes = int(store.get(STATE_NBYTES_KEY))
+        nbytes = view.state_nbytes()
+        if nbytes is None:
+            return
         # 1/64 of headroom, rounded to 64 bytes: the optimizer keeps views into these bytes, and torch.save
         # of a float view into a storage whose size is no multiple of the element size cannot be loaded
         size = -(-(nbytes + (nbytes >> 6)) // 64) * 64
@@ -72,14 +78,14 @@ class Formation:
     def publish_state_size(self, st: TrainingState) -> None:
         """Rank 0, once: the size of a full hydration, so that spares pre-fault a receive buffer of it."""
         if st.sharded is None and self.rank == 0:
-            self._store.set(STATE_NBYTES_KEY, str(state.wire_nbytes(st.capture())))
+            self._publish(STATE_NBYTES_KEY, str(state.wire_nbytes(st.capture())))
 
     def report(self, reason: str, message: str) -> None:
         """Tell the controller this rank failed (``reason``: exception, collective, unrecoverable)."""
         try:
             answer = self._controller.call(Verb.RANK_FAILED, {
                 "node_rank": self.node_rank, "generation": self._machine.generation, "rank": self.rank,
-                "reason": reason, "message": message[:500]})
+                "holder": self.holder, "reason": reason, "message": message[:500]})
         except ControlPlaneError as e:
             if e.status == 409:
                 return  # someone already moved the job to a newer generation
@@ -93,7 +99,7 @@ class Formation:
         """Form the newest generation >= ``minimum`` and bring this rank to the agreed step,
         retrying with the next generation if a peer fails meanwhile."""
         while True:
-            plan = membership.wait_for_generation(self._store, minimum, on_slow=on_slow)
+            plan = membership.wait_for_generation(self._view, minimum, on_slow=on_slow)
             if plan.state is JobState.PREEMPTED:
                 self._save_for_preemption(st, tx, plan)
             if plan.state is not JobState.RUNNING:
@@ -155,7 +161,7 @@ class Formation:
                            f"{plan.holders.get(self.rank)!r}, not by this process ({self.holder!r})")
         self.rank = rank  # scale events renumber ranks: a process is known by its holder id
         self._machine.forming(plan.generation)
-        membership.arrive(self._store, plan.generation, plan.world_size)
+        membership.arrive(self._view, plan.generation, plan.world_size)
         self._link.form(self.rank, plan.world_size, plan.generation)
         self._events.record(Event.PG_READY, generation=plan.generation, rank=self.rank)
         if st.factories is not None:

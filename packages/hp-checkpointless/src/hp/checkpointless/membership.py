@@ -2,7 +2,9 @@
 
 The controller publishes (see :mod:`hp.core.protocol`) the plan of every generation, then the
 generation number, and the rank it gives a promoted spare. Workers only read; every decision is the
-controller's. Background threads beat the heartbeat file the agent uses to detect hangs and abort
+controller's. Every value is sealed with the job token (:mod:`hp.core.signed_values`) and read through
+a :class:`JobView`: a forged one is refused and read as absent, so a store writer without the token
+can delay the job at most, never steer or stop it. Background threads beat the heartbeat file the agent uses to detect hangs and abort
 the process group as soon as a newer generation appears, which releases a rank blocked in a
 collective whose peer is gone.
 """
@@ -18,8 +20,10 @@ from datetime import timedelta
 import torch.distributed as dist
 
 from hp.core.protocol import (
-    FINISHED_KEY, GENERATION_KEY, Plan, SpareAssignment, arrive_prefix, plan_key, spare_key,
+    FINISHED_KEY, GENERATION_KEY, STATE_NBYTES_KEY, Plan, ProtocolError, SpareAssignment, arrive_prefix, plan_key,
+    spare_key,
 )
+from hp.core.signed_values import Refusals, unseal
 
 
 class Superseded(RuntimeError):
@@ -30,15 +34,99 @@ class JobFinished(Exception):
     """The ranks finished the training loop while this process waited to form a generation with them."""
 
 
-def latest_generation(store: dist.Store) -> int:
-    return int(store.get(GENERATION_KEY)) if store.check([GENERATION_KEY]) else 0
+class JobView:
+    """This process's reads of the sealed values in the job's store (one per thread, as its client).
+
+    A value not sealed with the job token for its key (forged, moved from another key) is refused:
+    reported to ``refusals`` (rate limited: a warning, an event) and read as absent, so every reader
+    goes on waiting for the genuine one. :meth:`generation` never goes back below one it returned (an
+    old genuine value replayed into the key), and does without the generation key when it cannot be
+    trusted. The last verified raw value of each key is remembered: the watch thread reads the
+    generation every 10 ms, and only a changed value is verified again."""
+
+    def __init__(self, store: dist.Store, token: str, refusals: Refusals | None = None) -> None:
+        if not token:
+            raise ValueError("reading the job's store needs the job token (HP_JOB_TOKEN)")
+        self.store, self._token = store, token
+        self.refusals = refusals if refusals is not None else Refusals()
+        self._generation = 0
+        self._verified: dict[str, tuple[bytes, str]] = {}
+
+    def value(self, key: str) -> str | None:
+        """The genuine value at ``key``; None if there is none, or if it is refused."""
+        if not self.store.check([key]):
+            return None
+        raw = self.store.get(key)
+        known = self._verified.get(key)
+        if known is not None and known[0] == raw:
+            return known[1]
+        try:
+            value = unseal(self._token, key, raw)
+        except ProtocolError as e:
+            self.refusals.report(key, e)
+            return None
+        self._verified[key] = (raw, value)
+        return value
+
+    def _parsed(self, key: str, parse: Callable[[str], object]) -> object | None:
+        value = self.value(key)
+        if value is None:
+            return None
+        try:
+            return parse(value)
+        except (ProtocolError, ValueError) as e:  # sealed, yet malformed: a token holder's bug; refused too
+            self.refusals.report(key, f"malformed store value at {key!r}: {e}")
+            return None
+
+    def generation(self, expected: int = 0) -> int:
+        """The newest generation published (0: none yet), never lower than one returned before.
+
+        The generation key is only a shortcut: the controller seals each generation's plan before its
+        number. So where the key is absent, refused (forged), replayed (lower than one seen before) or
+        behind ``expected`` (a generation the caller knows is due: a stale value replayed to a fresh
+        reader), the plans are read from there on: one more store read while the key cannot be trusted
+        or while waiting for a generation, none on the watch thread's usual path."""
+        hint = self._parsed(GENERATION_KEY, _count)
+        if hint is not None and hint >= self._generation:
+            self._generation = hint
+            if hint >= expected:
+                return hint
+        g = start = max(self._generation, expected - 1)
+        while self.plan(g + 1) is not None:
+            g += 1
+        if g > start:
+            self._generation = max(self._generation, g)
+        return self._generation
+
+    def plan(self, generation: int) -> Plan | None:
+        """The plan of ``generation``; None if absent or refused."""
+        plan = self._parsed(plan_key(generation), Plan.from_json)
+        if plan is not None and plan.generation != generation:
+            self.refusals.report(plan_key(generation), f"store value at {plan_key(generation)!r} is the plan of "
+                                                       f"generation {plan.generation}")
+            return None
+        return plan
+
+    def assignment(self, spare: str) -> SpareAssignment | None:
+        return self._parsed(spare_key(spare), SpareAssignment.from_json)
+
+    def finished(self) -> int | None:
+        """The last step of the ranks that finished the training loop, once they did."""
+        return self._parsed(FINISHED_KEY, int)
+
+    def state_nbytes(self) -> int | None:
+        """The size of a full hydration, once rank 0 published it."""
+        return self._parsed(STATE_NBYTES_KEY, _count)
 
 
-def read_plan(store: dist.Store, generation: int) -> Plan:
-    return Plan.from_json(store.get(plan_key(generation)))
+def _count(value: str) -> int:
+    got = int(value)
+    if got < 0:
+        raise ValueError(f"expected a count >= 0, got {got}")
+    return got
 
 
-def wait_for_generation(store: dist.Store, minimum: int, poll_s: float = 0.005,
+def wait_for_generation(view: JobView, minimum: int, poll_s: float = 0.005,
                         on_slow: Callable[[], None] | None = None, slow_after_s: float = 5.0,
                         timeout_s: float = 600.0) -> Plan:
     """Block until generation >= ``minimum`` is published; returns its plan. ``on_slow`` runs once
@@ -46,9 +134,10 @@ def wait_for_generation(store: dist.Store, minimum: int, poll_s: float = 0.005,
     start = time.monotonic()
     slow_called = False
     while True:
-        latest = latest_generation(store)
-        if latest >= minimum:
-            return read_plan(store, latest)
+        latest = view.generation(minimum)
+        plan = view.plan(latest) if latest >= minimum else None
+        if plan is not None:  # a refused plan is waited out like a missing one
+            return plan
         waited = time.monotonic() - start
         if on_slow is not None and not slow_called and waited > slow_after_s:
             slow_called = True
@@ -58,33 +147,31 @@ def wait_for_generation(store: dist.Store, minimum: int, poll_s: float = 0.005,
         time.sleep(poll_s)
 
 
-def wait_for_assignment(store: dist.Store, spare: str, poll_s: float = 0.005,
-                        on_idle: Callable[[dist.Store], None] | None = None, idle_every_s: float = 0.5) -> tuple[int, int]:
+def wait_for_assignment(view: JobView, spare: str, poll_s: float = 0.005,
+                        on_idle: Callable[[JobView], None] | None = None, idle_every_s: float = 0.5) -> tuple[int, int]:
     """Block a hot spare until the controller gives it a rank; returns (rank, generation).
-    ``on_idle(store)`` runs every ``idle_every_s`` meanwhile (preparation that must not delay a promotion
-    by more than one call)."""
-    key = spare_key(spare)
+    ``on_idle(view)`` runs every ``idle_every_s`` meanwhile (preparation that must not delay a promotion
+    by more than one call). A refused assignment is waited out like a missing one."""
     last_idle = 0.0
-    while not store.check([key]):
+    while (assignment := view.assignment(spare)) is None:
         if on_idle is not None and time.monotonic() - last_idle >= idle_every_s:
-            on_idle(store)
+            on_idle(view)
             last_idle = time.monotonic()
         time.sleep(poll_s)
-    assignment = SpareAssignment.from_json(store.get(key))
     return assignment.rank, assignment.generation
 
 
-def arrive(store: dist.Store, generation: int, world_size: int, poll_s: float = 0.002) -> None:
+def arrive(view: JobView, generation: int, world_size: int, poll_s: float = 0.002) -> None:
     """Barrier of one generation on the store, abandoned (``Superseded``) if a newer generation
     appears: only then is the process group initialised, so init never waits on a dead rank."""
-    prefixed = dist.PrefixStore(arrive_prefix(generation), store)
+    prefixed = dist.PrefixStore(arrive_prefix(generation), view.store)
     prefixed.add("count", 1)
     while prefixed.add("count", 0) < world_size:
-        if latest_generation(store) > generation:
+        if view.generation() > generation:
             raise Superseded(f"generation {generation} superseded while forming")
-        if store.check([FINISHED_KEY]):
-            raise JobFinished(f"the job finished at step {int(store.get(FINISHED_KEY))} before generation "
-                              f"{generation} formed")
+        finished = view.finished()
+        if finished is not None:
+            raise JobFinished(f"the job finished at step {finished} before generation {generation} formed")
         time.sleep(poll_s)
 
 
@@ -96,8 +183,12 @@ class Watch:
 
     def __init__(self, connect: Callable[[], dist.Store], heartbeat_file: str | None,
                  on_superseded: Callable[[Plan], None], period_s: float = 0.01, beat_every_s: float = 0.1,
-                 on_orphaned: Callable[[], None] | None = None) -> None:
+                 on_orphaned: Callable[[], None] | None = None, *, token: str,
+                 refusals: Refusals | None = None) -> None:
+        if not token:
+            raise ValueError("watching the job's store needs the job token (HP_JOB_TOKEN)")
         self._connect, self._heartbeat_file = connect, heartbeat_file
+        self._token, self._refusals = token, refusals if refusals is not None else Refusals()
         self._on_superseded, self._on_orphaned = on_superseded, on_orphaned
         self._parent = os.getppid()  # the agent: a worker whose agent died is re-parented
         self._period, self._beat_every = period_s, beat_every_s
@@ -128,15 +219,16 @@ class Watch:
                 return
 
     def _watch_loop(self) -> None:
-        store = None  # its own connection: store clients are not shared across threads
+        view = None  # its own connection: store clients are not shared across threads
         seen = 0
         while not self._stop.wait(self._period):
             try:
-                if store is None:
-                    store = self._connect()
-                latest = latest_generation(store)
-                if latest > seen:  # each new generation's plan is read once
-                    self._on_superseded(read_plan(store, latest))
+                if view is None:
+                    view = JobView(self._connect(), self._token, self._refusals)
+                latest = view.generation()  # a forged or replayed (older) generation is ignored
+                plan = view.plan(latest) if latest > seen else None  # each new generation's plan is read once
+                if plan is not None:  # a forged plan is never handed on: the genuine one is waited for
+                    self._on_superseded(plan)
                     seen = latest
             except Exception:  # the store is gone at job end; the main thread notices on its own
                 if self._stop.is_set():

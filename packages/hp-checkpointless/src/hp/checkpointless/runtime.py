@@ -40,6 +40,7 @@ from hp.core.control_plane import ControlClient
 from hp.core.errors import UsageError
 from hp.core.plugins import get_backend
 from hp.core.protocol import FINISHED_KEY, Event, Plan
+from hp.core.signed_values import Refusals, sealing
 
 __all__ = ["CollectiveError", "Context", "JobEnded", "Step", "recoverable"]
 
@@ -91,18 +92,24 @@ class Context:
         self._start_generation = int(env["HP_GENERATION"])
         self.last_loss: float | None = None
         store_addr = (env["MASTER_ADDR"], int(env["MASTER_PORT"]))
+        token = env.get(TOKEN_ENV, "")
+        if not token:  # every value read from the store is sealed with it (hp.core.signed_values)
+            raise UsageError(f"hp.checkpointless needs the job token in {TOKEN_ENV} (`hp run` sets it)")
         self._transport = get_backend("transport", env.get("HP_TRANSPORT", "gloo"))
         self._store = membership.connect_store(*store_addr)
         log_dir = env.get("HP_LOG_DIR")
         self.events = EventLog(os.path.join(log_dir, "events") if log_dir else None,
                                f"rank{rank}" if spare_id is None else f"spare-{spare_id}")
         self._faults = FaultPlan.from_env(lambda key: self._store.add(key, 1) == 1, env)
+        self._publish = sealing(self._store.set, token)
+        refusals = Refusals(self._refused)
         self._machine = RecoveryMachine()
         self._link = GroupLink(self._transport, self._store, self._machine, pg_timeout, self.events, self._detach)
         self._formation = Formation(
             rank=rank, spare_id=spare_id, node_rank=int(env.get("HP_NODE_RANK", "0")), holder=env.get("HP_HOLDER", ""),
-            store=self._store, controller=ControlClient(env.get("HP_CONTROLLER", ""), env.get(TOKEN_ENV, "")),
-            machine=self._machine, link=self._link, events=self.events, fire=self._phase)
+            store=self._store, token=token, controller=ControlClient(env.get("HP_CONTROLLER", ""), token,
+                                                                           node=env.get("HP_NODE_RANK", "0")),
+            machine=self._machine, link=self._link, events=self.events, fire=self._phase, refusals=refusals)
         self._training: TrainingState | None = None
         self._tx: StepTransaction | None = None
         self._step: Step | None = None
@@ -116,7 +123,8 @@ class Context:
         if self._can_interrupt:
             signal.signal(INTERRUPT_SIGNAL, self._interrupt)
         self._watch = membership.Watch(lambda: membership.connect_store(*store_addr), env.get("HP_HEARTBEAT_FILE"),
-                                       self._on_generation, on_orphaned=self._orphaned).start()
+                                       self._on_generation, on_orphaned=self._orphaned, token=token,
+                                       refusals=refusals).start()
 
     # ---- identity and registered objects ----------------------------------------------------
     @property
@@ -215,7 +223,7 @@ class Context:
                 yield step
                 if not self._step_done:
                     raise UsageError("each step must end with ctx.commit(loss)")
-            self._store.set(FINISHED_KEY, str(st.committed))  # releases a joiner that would wait for us forever
+            self._publish(FINISHED_KEY, str(st.committed))  # releases a joiner that would wait for us forever
             self.events.record(Event.FINAL_STATE, rank=self.rank, step=st.committed, digests=st.digests())
         finally:
             self.close()
@@ -377,6 +385,11 @@ class Context:
         all-reduce, a whole step later). A planned one (grow, preemption) waits for a step boundary."""
         if self._machine.observe(plan.generation, plan.at_boundary) and self._can_interrupt:
             signal.pthread_kill(threading.main_thread().ident, INTERRUPT_SIGNAL)
+
+    def _refused(self, key: str, message: str) -> None:
+        """A store value not sealed for its key was read (any thread): ignored, said at most every 30 s per key."""
+        self.events.record(Event.STORE_VALUE_REFUSED, rank=self._formation.rank, key=key, error=message[:300])
+        print(f"hp: rank {self._formation.rank}: warning: {message}; ignored", file=sys.stderr, flush=True)
 
     def _interrupt(self, signum: int, frame: Any) -> None:
         """Main thread, between two Python bytecodes of the user's step (torch ops run to the end)."""

@@ -39,6 +39,7 @@ from hp.core.protocol import EXIT_PREEMPTED, SCALING_POLICY_ENV, FailureAction, 
 from hp.core.rescale import ElasticController
 from hp.core.scaling import Scaler
 from hp.core.services import NodeContext, ServiceError, ServiceHost
+from hp.core.signed_values import sealing
 from hp.core.store import StoreServer
 from hp.core.workers import Worker, python_command
 
@@ -177,10 +178,10 @@ class Agent:
             self._address = self.cfg.controller_endpoint.host
             say(f"controller at {self._server.endpoint}, store at {self._store.host}:{self._store.port}, "
                 f"logs in {self.log_dir}")
-            return ControlClient(self._server.endpoint, self.token)
+            return ControlClient(self._server.endpoint, self.token, node=self.cfg.node_rank)
         ep = self.cfg.controller_endpoint
         self._address = local_address(ep.host, ep.port)
-        return ControlClient(str(ep), self.token)
+        return ControlClient(str(ep), self.token, node=self.cfg.node_rank)
 
     def _host_controller(self) -> None:
         ep = self.cfg.controller_endpoint
@@ -195,8 +196,9 @@ class Agent:
             store_port=self._store.port,
             decision_log=os.path.join(self.log_dir, "controller_decisions.jsonl"),
         )
-        controller = (Controller(config, publish=self._store.store.set) if scaler is None
-                      else ElasticController(config, scaler, publish=self._store.store.set))
+        publish = sealing(self._store.store.set, self.token)  # workers refuse values not sealed with the token
+        controller = (Controller(config, publish=publish) if scaler is None
+                      else ElasticController(config, scaler, publish=publish))
         self._server = ControlServer(controller, self.token, ep.host, ep.port).start()
 
     def _call_until(self, client: ControlClient, verb: Verb, payload: dict, done, what: str) -> dict:
@@ -339,7 +341,7 @@ class Agent:
                     continue
                 w.finish()
                 say(f"spare {w.spare_id} (pid {w.pid}) exited: {w.exit.describe()}")
-                answer = self._call(client, Verb.SPARE_FAILED, {"spare": w.spare_id})
+                answer = self._call(client, Verb.SPARE_FAILED, {"spare": w.spare_id}, fenced=True)
                 if "action" in answer:  # promoted before this agent heard of it: a rank died
                     w.rank = answer.get("rank", w.rank)
                     self._act(w, answer)
@@ -384,7 +386,8 @@ class Agent:
             sent = time.monotonic()
             # no request may outlast the lease: the fencing deadline holds even when packets vanish
             lease_left = self._last_ok + self.cfg.fence_after_s - sent
-            caller = ControlClient(client.endpoint, self.token, timeout_s=min(10.0, max(0.2, lease_left)))
+            caller = ControlClient(client.endpoint, self.token, timeout_s=min(10.0, max(0.2, lease_left)),
+                                   node=self.cfg.node_rank)
             try:
                 answer = caller.call(verb, {**payload, "node_rank": self.cfg.node_rank, "generation": self.generation})
                 self._last_ok = max(self._last_ok, sent)
@@ -491,7 +494,7 @@ class Agent:
         with _starting():
             w.start(self._worker_env(w))
             self.spares.append(w)
-        self._call(self._client, Verb.SPARE_ADDED, {"spare": sid, "joiner": joiner})
+        self._call(self._client, Verb.SPARE_ADDED, {"spare": sid, "joiner": joiner}, fenced=True)
         say(f"started spare {sid} (pid {w.pid}, forked with torch imported) to replace the "
             f"{'dead rank' if joiner else 'promoted one'}")
 
@@ -574,7 +577,7 @@ class Agent:
 
     def _tell_stopping(self, why: str) -> None:
         try:
-            ControlClient(self._client_endpoint(), self.token, timeout_s=2).call(
+            ControlClient(self._client_endpoint(), self.token, timeout_s=2, node=self.cfg.node_rank).call(
                 Verb.NODE_STOPPING, {"node_rank": self.cfg.node_rank, "generation": self.generation, "reason": why})
         except ControlPlaneError:
             pass  # the controller may be gone already; stopping goes on regardless

@@ -1,8 +1,14 @@
-"""Control-plane authentication: every request body is signed with the job's shared token.
+"""Control-plane authentication: every message is signed with a key derived from the job's token.
 
-The token never crosses the wire: requests carry ``HMAC-SHA256(token, body)`` and a timestamp in
-the body bounds replays; a receiver that also keeps a :class:`ReplayWindow` of the bodies' nonces
-accepts each message once. Bodies are JSON, never pickles.
+The token never crosses the wire: a message carries ``HMAC-SHA256(key, ...)`` and a timestamp ("ts")
+and a random "nonce" in its JSON body bound replays; a receiver that also keeps a
+:class:`ReplayWindow` of the nonces accepts each message once. Bodies are JSON, never pickles.
+
+- Checkpoint-daemon frames (``hp.tiered_ckpt.wire``) sign their body with the job token.
+- The controller's HTTP requests (:mod:`hp.core.control_plane`) sign ``method``, ``path`` and body with
+  the sending node's key, :func:`node_key` = HMAC-SHA256(job token, ``"hp-node:" + node id``); the
+  answer is signed with the same key over its status, its body and the request's nonce
+  (:func:`sign_response`), so it cannot be forged, replayed or given to another request.
 """
 
 from __future__ import annotations
@@ -12,13 +18,21 @@ import heapq
 import hmac
 import json
 import os
+import re
 import secrets
 import threading
 import time
 
+from hp.core.errors import UsageError
+
 TOKEN_ENV = "HP_JOB_TOKEN"
 SIGNATURE_HEADER = "X-HP-Signature"
+NODE_HEADER = "X-HP-Node"  # the identity whose key signed the request (see node_key)
+RESPONSE_SIGNATURE_HEADER = "X-HP-Response-Signature"
 MAX_CLOCK_SKEW_S = 300.0
+MIN_TOKEN_CHARS = 32
+OPERATOR = "operator"  # the identity of operator tools (`hp scale`): speaks for no node
+_IDENTITY = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.:-]{0,63}")
 
 
 def new_token() -> str:
@@ -30,23 +44,55 @@ def token_from_env() -> str | None:
     return os.environ.get(TOKEN_ENV) or None
 
 
+def check_token(token: str, where: str = "the job token") -> str:
+    """``token``, if long enough to be a key; else a one-line :class:`UsageError` (never showing it)."""
+    if len(token) < MIN_TOKEN_CHARS:
+        raise UsageError(f"{where} has {len(token)} characters, fewer than the {MIN_TOKEN_CHARS} a key needs "
+                         "(`hp token` prints a new one)")
+    return token
+
+
 def sign(token: str, body: bytes) -> str:
     return hmac.new(token.encode(), body, hashlib.sha256).hexdigest()
 
 
-def encode_request(token: str, payload: dict) -> tuple[bytes, str]:
-    """Serialise ``payload`` (adding a timestamp) and sign it; returns (body, signature)."""
-    body = json.dumps({**payload, "ts": time.time()}, sort_keys=True).encode()
-    return body, sign(token, body)
+def _same(expected: str, given: str | None) -> bool:
+    """Constant-time comparison of a signature with one that came from the peer (any characters)."""
+    return bool(given) and hmac.compare_digest(expected.encode(), given.encode("utf-8", "surrogateescape"))
+
+
+def node_key(token: str, node: str) -> str:
+    """The key identity ``node`` signs its control-plane requests with (a node's id is its node rank,
+    in decimal; :data:`OPERATOR` for operator tools). AuthError for a malformed id."""
+    if not isinstance(node, str) or not _IDENTITY.fullmatch(node):
+        raise AuthError(f"bad or missing {NODE_HEADER} identity")
+    return sign(token, b"hp-node:" + node.encode())
+
+
+def _signed_part(body: bytes, method: str | None, path: str | None) -> bytes:
+    if (method is None) != (path is None):
+        raise ValueError("sign both the method and the path of a request, or neither")
+    if method is None:
+        return body
+    return b"hp-request\n" + method.upper().encode() + b"\n" + path.encode("utf-8", "surrogateescape") + b"\n" + body
+
+
+def encode_request(token: str, payload: dict, method: str | None = None, path: str | None = None) -> tuple[bytes, str]:
+    """Serialise ``payload`` (adding a timestamp, and a random nonce unless it has one) and sign it;
+    returns (body, signature). With ``method`` and ``path`` (HTTP) the signature covers them too."""
+    body = json.dumps({"nonce": secrets.token_hex(16), **payload, "ts": time.time()}, sort_keys=True).encode()
+    return body, sign(token, _signed_part(body, method, path))
 
 
 class AuthError(Exception):
     """The request is not signed with the job token, or is too old to trust."""
 
 
-def verify_request(token: str, body: bytes, signature: str | None, now: float | None = None) -> dict:
-    """Check the signature and freshness of a request; returns the decoded JSON object."""
-    if not signature or not hmac.compare_digest(sign(token, body), signature):
+def verify_request(token: str, body: bytes, signature: str | None, now: float | None = None,
+                   method: str | None = None, path: str | None = None) -> dict:
+    """Check the signature (of ``method`` and ``path`` too, when given) and freshness of a request;
+    returns the decoded JSON object."""
+    if not _same(sign(token, _signed_part(body, method, path)), signature):
         raise AuthError("bad or missing signature (wrong job token?)")
     try:
         payload = json.loads(body)
@@ -57,6 +103,17 @@ def verify_request(token: str, body: bytes, signature: str | None, now: float | 
     if not abs((now if now is not None else time.time()) - payload["ts"]) <= MAX_CLOCK_SKEW_S:  # NaN too
         raise AuthError("request timestamp outside the allowed clock skew (replayed?)")
     return payload
+
+
+def sign_response(key: str, status: int, body: bytes, nonce: str) -> str:
+    """The signature of an answer: its status and body, bound to the request by that request's nonce."""
+    return sign(key, b"hp-response\n%d\n" % status + nonce.encode("utf-8", "surrogateescape") + b"\n" + body)
+
+
+def verify_response(key: str, status: int, body: bytes, nonce: str, signature: str | None) -> None:
+    """AuthError unless ``signature`` signs this answer to the request that carried ``nonce``."""
+    if not _same(sign_response(key, status, body, nonce), signature):
+        raise AuthError("bad or missing response signature")
 
 
 class ReplayWindow:

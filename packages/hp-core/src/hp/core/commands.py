@@ -23,10 +23,10 @@ def read_token(args: argparse.Namespace, required: bool) -> str:
             raise UsageError(f"--token-file: {e.strerror}: {args.token_file}") from None
         if not token:
             raise UsageError(f"--token-file {args.token_file} is empty")
-        return token
+        return auth.check_token(token, f"the job token in --token-file {args.token_file}")
     token = auth.token_from_env()
     if token:
-        return token
+        return auth.check_token(token, f"the job token in ${auth.TOKEN_ENV}")
     if required:
         raise UsageError(f"a shared job token is required: set {auth.TOKEN_ENV} or --token-file "
                          "(`hp token` prints a new one)")
@@ -127,6 +127,7 @@ def _controller(args: argparse.Namespace) -> int:
     from hp.core.plugins import get_backend
     from hp.core.protocol import JobState
     from hp.core.rescale import ElasticController
+    from hp.core.signed_values import sealing
 
     nnodes, max_nnodes = parse_nnodes(args.nnodes)
     if nnodes < 1 or (max_nnodes is not None and max_nnodes < nnodes):
@@ -143,8 +144,9 @@ def _controller(args: argparse.Namespace) -> int:
         nnodes=nnodes, max_nodes=max_nnodes, max_restarts=args.max_restarts, heartbeat_timeout_s=args.heartbeat_timeout,
         store_host=store.host, store_port=store.port, decision_log=args.decision_log,
     )
-    controller = (Controller(config, publish=store.store.set) if scaler is None
-                  else ElasticController(config, scaler, publish=store.store.set))
+    publish = sealing(store.store.set, token)  # workers act only on values sealed with the job token
+    controller = (Controller(config, publish=publish) if scaler is None
+                  else ElasticController(config, scaler, publish=publish))
     try:
         server = ControlServer(controller, token, args.host, args.port).start()
     except OSError as e:

@@ -1,6 +1,13 @@
 """Every contract between hp's processes, in one place: what one process writes and another reads.
 
 - **Store keys** the controller (and rank 0) publish in the job's coordination store; workers only read.
+  The store authenticates nobody, so every value at these keys is *sealed* with the job token
+  (:mod:`hp.core.signed_values`; :func:`is_sealed_key`): the generation (controller), each plan
+  (controller), each spare assignment (controller), the hydration size (rank 0), the finished marker
+  (the ranks that finish), the node-service endpoints (each node's agent). Readers refuse, and never act
+  on, a value not sealed for its key, and never take the generation back below one they have seen.
+  Not sealed: the arrival-barrier counters and fault claims (``add`` counters), and torch's own
+  rendezvous keys of each generation's process group (``hp/g<N>/``).
 - **Process ids** the controller uses to fence out an old holder of a rank.
 - **Plan** of a generation and **SpareAssignment** of a promoted spare: JSON values at those keys.
 - **Verb**: the requests of the control plane (``POST /v1/<verb>``, :mod:`hp.core.control_plane`).
@@ -59,6 +66,13 @@ def spare_key(spare: str) -> str:
 def node_service_key(service: str, node_rank: int) -> str:
     """Where each node publishes the endpoint of its node service ``service`` (:mod:`hp.core.services`)."""
     return f"hp/node_service/{service}/{node_rank}"
+
+
+def is_sealed_key(key: str) -> bool:
+    """Whether the value at ``key`` is sealed with the job token (:mod:`hp.core.signed_values`): every
+    value a process acts on. The arrival-barrier counters, fault claims and torch's keys are not."""
+    return key in (GENERATION_KEY, STATE_NBYTES_KEY, FINISHED_KEY) or key.startswith(
+        ("hp/plan/", "hp/spare/", "hp/node_service/"))
 
 
 def arrive_prefix(generation: int) -> str:
@@ -184,6 +198,7 @@ class Event(StrEnum):
     STARTED = "started"
     STEP_FAILED = "step_failed"
     STEP_SKIPPED = "step_skipped"  # an AMP step whose gradients had inf/NaN, skipped by every rank
+    STORE_VALUE_REFUSED = "store_value_refused"  # a store value not sealed for its key: ignored (rate limited)
 
 
 class Decision(StrEnum):

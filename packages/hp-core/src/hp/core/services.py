@@ -25,7 +25,8 @@ from datetime import timedelta
 from typing import TYPE_CHECKING, Callable, Protocol
 
 from hp.core.errors import HpError, UsageError
-from hp.core.protocol import node_service_key
+from hp.core.protocol import ProtocolError, node_service_key
+from hp.core.signed_values import Refusals, seal, unseal
 
 if TYPE_CHECKING:
     import torch.distributed as dist
@@ -44,7 +45,7 @@ class NodeContext:
     nnodes: int
     address: str  # this node's address as the other nodes (and the controller) see it: bind here
     log_dir: str  # the job's log directory on this node; a service logs under services/<name>
-    token: str  # the job token: authenticate every connection with it
+    token: str = field(repr=False)  # the job token: authenticate every connection with it
     options: dict[str, str] = field(default_factory=dict)  # from --service NAME:KEY=VALUE,...
 
 
@@ -124,18 +125,26 @@ class ServiceHost:
     def _exchange(store: dist.Store, name: str, node: NodeContext, endpoint: str, timeout_s: float,
                   keep_alive: Callable[[], None]) -> list[str]:
         keys = [node_service_key(name, n) for n in range(node.nnodes)]
-        store.set(keys[node.node_rank], endpoint)
+        mine = seal(node.token, keys[node.node_rank], endpoint)  # sealed: a forged endpoint is refused
+        store.set(keys[node.node_rank], mine)
+        refusals = Refusals()
         deadline = time.monotonic() + timeout_s
         while True:
             try:
                 store.wait(keys, timedelta(seconds=1))
-                return [store.get(k).decode() for k in keys]
+                got = [_endpoint(store, node.token, k, refusals) for k in keys]
+                if all(e is not None for e in got):
+                    return got  # type: ignore[return-value]
+                missing = [n for n, e in enumerate(got) if e is None]
+                if got[node.node_rank] is None:  # a forger overwrote this node's own endpoint
+                    store.set(keys[node.node_rank], mine)
+                time.sleep(0.2)  # a forged value is there to stay: wait for its owner to publish again
             except RuntimeError:  # torch's store timeout (DistStoreError is a RuntimeError)
                 missing = [n for n, k in enumerate(keys) if not store.check([k])]
-                if time.monotonic() > deadline:
-                    raise ServiceError(f"node service {name}: nodes {missing} did not publish their "
-                                       f"endpoints within {timeout_s:.0f} s") from None
-                keep_alive()
+            if time.monotonic() > deadline:
+                raise ServiceError(f"node service {name}: nodes {missing} did not publish their "
+                                   f"endpoints within {timeout_s:.0f} s") from None
+            keep_alive()
 
     def worker_env(self) -> dict[str, str]:
         return dict(self._env)
@@ -154,3 +163,12 @@ class ServiceHost:
         while self._running:
             _, running = self._running.pop()
             running.stop()
+
+
+def _endpoint(store: dist.Store, token: str, key: str, refusals: Refusals) -> str | None:
+    """The endpoint a node published at ``key``; None (refused, reported) if it is not sealed for it."""
+    try:
+        return unseal(token, key, store.get(key))
+    except ProtocolError as e:
+        refusals.report(key, e)
+        return None

@@ -35,6 +35,7 @@ def hp_scaler(policy: str) -> PolicyScaler:
 
 
 def _scale(args: argparse.Namespace) -> int:
+    from hp.core.auth import OPERATOR
     from hp.core.commands import read_token
     from hp.core.config import parse_endpoint
     from hp.core.control_plane import ControlClient
@@ -44,7 +45,8 @@ def _scale(args: argparse.Namespace) -> int:
     if args.replicas < 0:
         raise UsageError(f"--replicas must be >= 0, got {args.replicas}")
     endpoint = parse_endpoint(args.rdzv_endpoint)
-    answer = ControlClient(str(endpoint), read_token(args, required=True)).call(Verb.SCALE, {"replicas": args.replicas})
+    token = read_token(args, required=True)
+    answer = ControlClient(str(endpoint), token, node=OPERATOR).call(Verb.SCALE, {"replicas": args.replicas})
     print(json.dumps(answer))
     return 0
 

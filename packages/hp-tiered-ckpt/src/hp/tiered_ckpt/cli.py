@@ -11,7 +11,7 @@ import json
 import os
 import sys
 
-from hp.core.auth import token_from_env
+from hp.core.auth import check_token, token_from_env
 from hp.core.config import check_name
 from hp.core.errors import UsageError
 from hp.core.privfs import private_dir, user_dir
@@ -32,7 +32,7 @@ def _token() -> str:
     token = token_from_env()
     if not token:
         raise UsageError("set HP_JOB_TOKEN (the job token; `hp token` makes one)")
-    return token
+    return check_token(token, "the job token in $HP_JOB_TOKEN")
 
 
 def _daemon(args: argparse.Namespace) -> int:

@@ -34,7 +34,7 @@ class TieredConfig:
     replicas: int = 1
     keep_memory: int = 2
     keep_persistent: int = 3
-    token: str | None = None
+    token: str | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         check_name(self.namespace, "checkpoint namespace")

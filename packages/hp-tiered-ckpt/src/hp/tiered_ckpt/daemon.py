@@ -33,7 +33,7 @@ MAX_CONNECTIONS = 256  # workers keep one open each, peers a few: a node holds f
 @dataclass
 class DaemonConfig:
     root: Path
-    token: str
+    token: str = field(repr=False)
     host: str = "127.0.0.1"
     port: int = 0
     peers: list[tuple[str, int]] = field(default_factory=list)  # other nodes' daemons, ring order
@@ -41,7 +41,7 @@ class DaemonConfig:
     keep_memory: int = 2
     keep_persistent: int = 3
     retry_max_s: float = 10.0
-    admin_key: str | None = None   # signs `peers`/`gc`; None: a random one, written to <root>/admin.key
+    admin_key: str | None = field(default=None, repr=False)  # signs `peers`/`gc`; None: a random one, written to <root>/admin.key
     idle_timeout_s: float = 600.0  # a connection with no frame started for this long is closed
     frame_timeout_s: float = 30.0  # a started frame's header must arrive within this; each later read too
     replay_cap: int = 100_000      # nonces remembered within auth.MAX_CLOCK_SKEW_S (about 220 bytes each)

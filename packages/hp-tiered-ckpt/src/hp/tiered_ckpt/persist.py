@@ -15,7 +15,7 @@ import json
 import os
 import time
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import fsspec
 
@@ -61,7 +61,7 @@ class PersistentTier:
 
     url: str
     namespace: str
-    token: str
+    token: str = field(repr=False)
 
     def __post_init__(self) -> None:
         self.fs, self.root = open_fs(self.url)
