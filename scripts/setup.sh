@@ -17,11 +17,20 @@ if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null \
         || { apt-get update -qq && apt-get install -y -qq iproute2 iptables util-linux >/dev/null; }
 fi
 
+# The `etcd` store backend's tests and `hp bench init` run a real etcd (Debian's etcd-server; etcdctl
+# from etcd-client for people). Installing the package must not leave a system etcd running: the
+# tests start their own on free ports.
+if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null && ! command -v etcd >/dev/null 2>&1; then
+    apt-get install -y -qq etcd-server etcd-client >/dev/null 2>&1 \
+        || { apt-get update -qq && apt-get install -y -qq etcd-server etcd-client >/dev/null; }
+    { command -v systemctl && systemctl disable --now etcd; } >/dev/null 2>&1 || true
+fi
+
 [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
 .venv/bin/python -m pip install -qq --upgrade "pip>=24" "setuptools>=69" wheel
 .venv/bin/python -m pip install -qq "$HP_TORCH"
 .venv/bin/python -m pip install -qq \
-    -e "packages/hp-core[test]" \
+    -e "packages/hp-core[test,etcd]" \
     -e "packages/hp-elastic[test,plot]" \
     -e "packages/hp-checkpointless[test,tiered]" \
     -e "packages/hp-tiered-ckpt[test]" \

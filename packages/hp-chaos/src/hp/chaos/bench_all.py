@@ -36,6 +36,7 @@ SUITE: dict[str, tuple[list[str], list[str]]] = {
     "ckpt": (["--params", "25e6"], ["--params", "2e6", "--saves", "3", "--rounds", "3"]),
     "elastic": ([], ["--steps", "60", "--kill-step", "4"]),
     "exact": ([], ["--model-size", "tiny", "--steps", "6"]),
+    "init": ([], ["--ranks", "2,4", "--repeats", "1"]),  # hp-core's: rootless vs TCPStore process-group init
 }
 
 

@@ -1,7 +1,8 @@
 """Coordination store backends: the job's key-value rendezvous for process groups.
 
-The default is torch's ``TCPStore`` hosted by the controller. An etcd backend can implement the
-same two methods; nothing outside this family knows which store is in use.
+The default is torch's ``TCPStore`` hosted by the controller; ``etcd`` keeps the keys in an etcd
+cluster that no rank hosts (:mod:`hp.core.etcd_store`). Nothing outside this family knows which
+store is in use.
 """
 
 from __future__ import annotations
@@ -74,6 +75,32 @@ class TCPStoreBackend(StoreBackend):
         return dist.TCPStore(host, port, is_master=False, timeout=timeout)
 
 
+class EtcdStoreBackend(StoreBackend):
+    """Keys in etcd (:mod:`hp.core.etcd_store`): no rank or agent hosts them, so they outlive any one
+    host of the job. ``connect`` reaches an existing cluster (``host`` may list several members,
+    ``h1:2379,h2:2379``) under one job's prefix (``job``, else ``$HP_STORE_JOB``, else ``default``);
+    ``serve`` starts a private single-member etcd on ``host`` (tests, single-node jobs)."""
+
+    name = "etcd"
+
+    def serve(self, host: str, port: int = 0, job: str | None = None) -> StoreServer:
+        from hp.core.etcd_store import EtcdServer, connect
+
+        server = EtcdServer(host, port).start()
+        try:
+            store = connect(server.endpoint, server.port, job=job)
+        except BaseException:
+            server.stop()
+            raise
+        return StoreServer(host, server.port, store, [server])
+
+    def connect(self, host: str, port: int, timeout: timedelta = timedelta(seconds=60),
+                job: str | None = None) -> dist.Store:
+        from hp.core.etcd_store import connect
+
+        return connect(host, port, timeout, job=job)
+
+
 @hookimpl
 def hp_store_backends() -> list[StoreBackend]:
-    return [TCPStoreBackend()]
+    return [TCPStoreBackend(), EtcdStoreBackend()]
