@@ -47,7 +47,10 @@ def test_bench_recovery_every_variant_three_faults_one_rank_per_core(tmp_path):
             assert s["n"] == 3 and s["min"] <= s["median"] <= s["max"], (name, key, s)
         for run in variant["runs"]:  # downtime = every rank back at step F+1, less one step of the variant
             assert run["downtime_s"] == pytest.approx(run["to_next_step_s"] - run["step_time_s"])
-            assert 0 < run["step_time_s"] < run["to_next_step_s"]
+            assert 0 < run["step_time_s"] and 0 < run["to_next_step_s"], (name, run)
+            if name != "torchft":  # torchft's survivor goes on alone at once: with the tiny model its next
+                # step (world 1) can beat a two-rank step; when its group is whole again is all_ranks_back_s
+                assert run["step_time_s"] < run["to_next_step_s"], (name, run)
     hp, base, ft = v["hp"], v["torchrun_dcp"], v["torchft"]
     # every rank's losses over every step (5 after the fault) and every rank's final state, every fault
     assert hp["bitwise_equal"] is True and hp["lost_steps"] == 0

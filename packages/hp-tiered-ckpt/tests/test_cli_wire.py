@@ -67,9 +67,9 @@ def test_ls_verify_gc_on_url_and_daemon(daemons, token, tmp_path, monkeypatch, h
     node = daemons("node0", replicas=0, via_hp_cli=True)  # `hp ckpt daemon` itself
     url = f"file://{tmp_path}/p"
     cfg = TieredConfig("job", daemon=node.addr, persist_url=url, persist_every=1)
-    for step in (1, 2, 3):
+    for step in (1, 2, 3):  # each persisted before the next save (a newer queued step supersedes an upload)
         api.save({"x": torch.full((8,), float(step))}, step, cfg)
-    wait_for(lambda: (tmp_path / "p/job" / fmt.step_dir(3) / fmt.COMMIT).exists(), 60, "step 3 committed")
+        wait_for(lambda: (tmp_path / "p/job" / fmt.step_dir(step) / fmt.COMMIT).exists(), 60, f"step {step} committed")
     (tmp_path / "p/job" / fmt.step_dir(7)).mkdir()  # an upload that never finished
 
     ls = json.loads(hp("ckpt", "ls", "job", "--url", url, "--json").stdout)
