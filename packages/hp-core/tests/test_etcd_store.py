@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from hp.core import get_backend
 from hp.core.errors import UsageError
-from hp.core.testing import HP
+from hp.core.testing import HP, listening_addresses
 
 from hp.core import etcd_store  # noqa: E402
 
@@ -135,17 +135,6 @@ def test_a_paused_etcd_delays_calls_and_loses_nothing(etcd_server):
     finally:
         etcd_server.resume()
     assert done.wait(10) and s.get("during") == b"pause"
-
-
-def listening_addresses(port: int) -> set[str]:
-    found = set()
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        for line in Path(table).read_text().splitlines()[1:]:
-            local, state = line.split()[1], line.split()[3]
-            addr, p = local.split(":")
-            if int(p, 16) == port and state == "0A":  # 0A: LISTEN
-                found.add(addr)
-    return found
 
 
 def test_serve_starts_a_private_etcd_that_close_stops_and_removes():

@@ -10,6 +10,7 @@ import pytest
 
 from hp.core import generation_prefix, get_backend
 from hp.core.transport import EFA_ENV_DEFAULTS, NcclTransport
+from hp.core.testing import listening_addresses
 
 
 def fake_sysfs(root: Path, devices: dict[str, str]) -> str:
@@ -29,17 +30,6 @@ def test_nccl_sets_efa_defaults_only_where_efa_exists(tmp_path):
 def test_gloo_runs_on_cpu_and_nccl_names_its_device():
     assert get_backend("transport", "gloo").device_for(3) == "cpu"
     assert get_backend("transport", "nccl").device_for(3) == "cuda:3"
-
-
-def listening_addresses(port: int) -> set[str]:
-    found = set()
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        for line in Path(table).read_text().splitlines()[1:]:
-            local, state = line.split()[1], line.split()[3]
-            addr, p = local.split(":")
-            if int(p, 16) == port and state == "0A":  # 0A: LISTEN
-                found.add(addr)
-    return found
 
 
 def test_tcp_store_listens_only_on_the_interface_asked_for():

@@ -279,14 +279,8 @@ def add_bench_init(bench: argparse._SubParsersAction) -> None:
 @hookimpl(trylast=True)
 def hp_cli_commands(subparsers: argparse._SubParsersAction) -> None:
     """Join ``hp bench`` (hp-chaos's group) when present (this hook runs last), else start it."""
-    import importlib.util
+    from hp.core.cli import bench_group
 
-    bench_parser = subparsers.choices.get("bench")
-    if bench_parser is None and importlib.util.find_spec("hp.chaos") is not None:
-        return  # hp-chaos's hook owns the group (hp backends lists each hook on its own parser)
-    if bench_parser is None:
-        bench_parser = subparsers.add_parser("bench", help="benchmarks")
-        bench_parser.add_subparsers(title="benchmarks", metavar="BENCHMARK", required=True)
-    bench = next(a for a in bench_parser._actions if isinstance(a, argparse._SubParsersAction))
-    if "init" not in bench.choices:
+    bench = bench_group(subparsers)
+    if bench is not None and "init" not in bench.choices:
         add_bench_init(bench)

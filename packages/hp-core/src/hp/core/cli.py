@@ -17,6 +17,21 @@ class _Parser(argparse.ArgumentParser):
         raise UsageError(f"{self.prog}: {message}")
 
 
+def bench_group(subparsers: argparse._SubParsersAction) -> argparse._SubParsersAction | None:
+    """The ``hp bench`` sub-commands, for a plugin adding a benchmark from a ``trylast`` hook: hp-chaos's
+    group when hp-chaos is installed (None if its hook has not run yet: it adds its own later), else a
+    group started here."""
+    import importlib.util
+
+    parser = subparsers.choices.get("bench")
+    if parser is None and importlib.util.find_spec("hp.chaos") is not None:
+        return None  # hp-chaos's hook owns the group (hp backends lists each hook on its own parser)
+    if parser is None:
+        parser = subparsers.add_parser("bench", help="benchmarks")
+        parser.add_subparsers(title="benchmarks", metavar="BENCHMARK", required=True)
+    return next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="hp", description="hp: keep PyTorch training jobs making progress through faults.")
     parser.add_argument("--log-level", default="WARNING", help="Python logging level for hp's own logs")

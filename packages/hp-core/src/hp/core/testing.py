@@ -135,3 +135,15 @@ def run_ranks(argv: list[str], world: int, timeout_s: float, what: str, env: dic
             if p.poll() is None:
                 os.killpg(p.pid, signal.SIGKILL)
                 p.wait()
+
+
+def listening_addresses(port: int) -> set[str]:
+    """The (hex, as /proc/net/tcp writes them) local addresses a socket listens on at ``port``."""
+    found = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            local, state = line.split()[1], line.split()[3]
+            addr, p = local.split(":")
+            if int(p, 16) == port and state == "0A":  # 0A: LISTEN
+                found.add(addr)
+    return found

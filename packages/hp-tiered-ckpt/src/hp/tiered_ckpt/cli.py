@@ -6,7 +6,6 @@ Nothing heavy (torch) is imported while the parser is built: every ``hp`` invoca
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
 import sys
@@ -221,11 +220,8 @@ def hp_cli_commands(subparsers: argparse._SubParsersAction) -> None:
                            help="with --daemon: the daemon's admin key (default: admin.key in the default --dir, "
                                 "/dev/shm/hp-ckpt-<uid>)")
     # hp bench is hp-chaos's group; join it when present (this hook runs last), else start it
-    bench_parser = subparsers.choices.get("bench")
-    if bench_parser is None and importlib.util.find_spec("hp.chaos") is not None:
-        return  # hp-chaos's hook owns the group (hp backends lists each hook on its own parser)
-    if bench_parser is None:
-        bench_parser = subparsers.add_parser("bench", help="benchmarks")
-        bench_parser.add_subparsers(title="benchmarks", metavar="BENCHMARK", required=True)
-    bench = next(a for a in bench_parser._actions if isinstance(a, argparse._SubParsersAction))
-    add_bench_ckpt(bench)
+    from hp.core.cli import bench_group
+
+    bench = bench_group(subparsers)
+    if bench is not None:
+        add_bench_ckpt(bench)
