@@ -87,15 +87,36 @@ class GroupLink:
         self.live = False
         self.rank, self.world_size = -1, 0
         self._forming_store: FormingStore | None = None
+        self._hosted: dict[str, dist.Store] = {}  # clients of agent-hosted forming stores, by HOST:PORT
 
-    def form(self, rank: int, world_size: int, generation: int) -> None:
-        """Initialise the group of ``generation`` (the machine is already FORMING it)."""
-        store = FormingStore(self._store, self._machine.superseded, self._pg_timeout)
+    def form(self, rank: int, world_size: int, generation: int, forming_store: str = "") -> None:
+        """Initialise the group of ``generation`` (the machine is already FORMING it) on the store its plan
+        names (``forming_store``, a node agent's ``TCPStore``), else on the job's store."""
+        base = self._hosted_store(forming_store) if forming_store else self._store
+        store = FormingStore(base, self._machine.superseded, self._pg_timeout)
         with self._lock:
             self._transport.init_process_group(store, rank, world_size, generation, self._pg_timeout)
             self.live = True
         self._forming_store = store  # the group holds it: kept referenced from Python while the group lives
         self.rank, self.world_size = rank, world_size
+
+    def _hosted_store(self, address: str) -> dist.Store:
+        """A client of the agent-hosted store at ``address``, connected in short tries so that a
+        generation superseded meanwhile (its host died) is given up at once."""
+        if address not in self._hosted:
+            host, _, port = address.rpartition(":")
+            deadline = time.monotonic() + self._pg_timeout.total_seconds()
+            while True:
+                try:
+                    client = dist.TCPStore(host.strip("[]"), int(port), is_master=False, timeout=timedelta(seconds=2))
+                    break
+                except (RuntimeError, ValueError) as e:  # DistNetworkError, refused, timed out
+                    why = self._machine.superseded()
+                    if why is not None or time.monotonic() > deadline:
+                        raise CollectiveError(why or f"forming store {address} unreachable: {e}") from None
+            client.set_timeout(self._pg_timeout)
+            self._hosted[address] = client
+        return self._hosted[address]
 
     def collective(self, fn: Callable, *args: Any, **kwargs: Any) -> None:
         """Run ``fn(*args, **kwargs)`` (a collective, or a transfer made of several) on this generation's

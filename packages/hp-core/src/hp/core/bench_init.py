@@ -9,10 +9,17 @@ store, gloo on CPU), then checks it with one ``all_reduce`` (not timed). Variant
 
 - ``tcpstore``: the classic ``torchrun``/``env://`` way: rank 0's process hosts a ``TCPStore`` (on
   a port chosen beforehand) and waits for every rank to connect; rank 0 is a single point of failure.
-- ``rootless``: the ``etcd`` store (:mod:`hp.core.etcd_store`) on a real etcd that no rank hosts,
-  started before the ranks (as a cluster would be), a fresh job prefix per run.
-- ``tcpstore_agent``: a ``TCPStore`` hosted by a process that is no rank (this one), started before
-  the ranks: what hp's agent does today (no rank is special, but node 0's agent is).
+- ``rootless``: what an hp job with the HA controller does (``hp run --store etcd``): the group forms on
+  a ``TCPStore`` hosted by a process that is no rank (a node's agent; here, this process), started
+  before the ranks. The controller names a live node's store in each generation's plan
+  (:attr:`hp.core.protocol.Plan.forming_store`), so losing any host costs at most the generation being
+  formed: the next one forms on another node's store.
+- ``etcd``: the group forms on the ``etcd`` store itself (:mod:`hp.core.etcd_store`), a real etcd that
+  no rank hosts, started before the ranks, a fresh job prefix per run: the durable store, for comparison
+  (gloo does a wait and a get per peer: ~2N+1 HTTP requests per rank).
+
+On the same etcd it then times controller failover (``failover_s``, :mod:`hp.core.bench_failover`):
+SIGKILL of the leading HA controller replica until its standby answers.
 
 Sizes run in turn; within a size the variants alternate repeat by repeat, so drift on a shared
 machine hits them alike. One untimed 2-rank round per variant warms up first. Each figure is the
@@ -36,8 +43,8 @@ from typing import Any
 from hp.core.errors import UsageError
 from hp.core.hookspecs import hookimpl
 
-DEFINITION_VERSION = 1
-VARIANTS = ("rootless", "tcpstore", "tcpstore_agent")
+DEFINITION_VERSION = 2  # 2: rootless is the agent-hosted forming store; etcd its own variant; failover_s
+VARIANTS = ("rootless", "tcpstore", "etcd")
 GENERATION = 1  # the store prefix a worker of generation 1 uses (hp/g1/)
 
 
@@ -48,6 +55,8 @@ class InitBenchConfig:
     variants: tuple[str, ...] = VARIANTS
     timeout_s: float = 180.0
     warmup: bool = True
+    failover_repeats: int = 5  # controller failovers timed (hp.core.bench_failover); 0: none
+    lease_s: int = 2
 
 
 # ---- one rank (a forked child) ------------------------------------------------------------------
@@ -71,8 +80,7 @@ def _rank(variant: str, rank: int, world: int, addr: tuple[str, int], job: str, 
         if variant == "tcpstore":  # rank 0 hosts it, as torchrun's static rendezvous does
             store = dist.TCPStore(host, port, world, is_master=rank == 0, timeout=timeout)
         else:
-            store = get_backend("store", "etcd" if variant == "rootless" else "tcp").connect(
-                host, port, timeout, **({"job": job} if variant == "rootless" else {}))
+            store = get_backend("store", "etcd" if variant == "etcd" else "tcp").connect(host, port, timeout, job=job)
         get_backend("transport", "gloo").init_process_group(store, rank, world, GENERATION, timeout)
         formed = time.monotonic()
         x = torch.ones(1)
@@ -96,7 +104,7 @@ def _trial(variant: str, world: int, etcd_endpoint: tuple[str, int] | None, time
     ctx = mp.get_context("fork")
     ready, go, results = ctx.Semaphore(0), ctx.Event(), ctx.SimpleQueue()
     server = None
-    if variant == "rootless":
+    if variant == "etcd":
         addr = etcd_endpoint
     elif variant == "tcpstore":
         addr = ("127.0.0.1", free_port())
@@ -161,7 +169,9 @@ def run_bench(cfg: InitBenchConfig, log=print) -> dict[str, Any]:
     from hp.core.etcd_store import EtcdServer, etcd_version
 
     run = BenchRun("init", DEFINITION_VERSION)
-    etcd = EtcdServer("127.0.0.1", die_with_parent=True).start() if "rootless" in cfg.variants else None
+    etcd = (EtcdServer("127.0.0.1", die_with_parent=True).start()
+            if "etcd" in cfg.variants or cfg.failover_repeats else None)
+    failover = None
     endpoint = (etcd.host, etcd.port) if etcd is not None else None
     rows, errors = [], []
     try:
@@ -186,6 +196,12 @@ def run_bench(cfg: InitBenchConfig, log=print) -> dict[str, Any]:
             if row.get("rootless_s") and row.get("tcpstore_s"):
                 row["rootless_over_tcpstore"] = row["rootless_s"] / row["tcpstore_s"]
             rows.append(row)
+        if cfg.failover_repeats:
+            from hp.core.bench_failover import measure
+
+            failover = measure(etcd.endpoint, cfg.failover_repeats, cfg.lease_s, log)
+            if not failover["state_intact"]:
+                errors.append({"failover": "the standby did not answer with the job's state intact"})
     finally:
         if etcd is not None:
             etcd.stop()
@@ -193,17 +209,19 @@ def run_bench(cfg: InitBenchConfig, log=print) -> dict[str, Any]:
         "definition": "seconds from releasing N ready processes (torch imported) until init_process_group('gloo') "
                       "has returned on every rank (max over ranks), store creation/connection included; "
                       "median of the repeats",
-        "variants": {"rootless": "etcd store (real etcd, hosted by no rank), hp's generation-prefixed store",
+        "variants": {"rootless": "TCPStore hosted by a non-rank process started before the ranks: the node agent's "
+                                 "forming store that the controller names per generation (hp run --store etcd)",
                      "tcpstore": "TCPStore hosted by rank 0's process (torchrun / env:// style)",
-                     "tcpstore_agent": "TCPStore hosted by a non-rank process started before the ranks (hp's agent)"},
+                     "etcd": "the etcd store itself (real etcd, hosted by no rank), hp's generation-prefixed store"},
         "rows": rows,
-        "failover_s": None,
-        "notes": ["failover_s is null: controller failover (a standby controller taking over on etcd lease "
-                  "expiry) is not built yet; this run measures process-group init only",
-                  f"{run_cores()} usable cores for up to {max(cfg.ranks)} ranks plus etcd: ranks share cores"],
+        "failover_s": failover["failover"]["median"] if failover else None,
+        "failover": failover,
+        "notes": [f"{run_cores()} usable cores for up to {max(cfg.ranks)} ranks plus etcd: ranks share cores"]
+        + ([] if failover else ["failover_s is null: --failover-repeats 0"]),
         "config": {"ranks": list(cfg.ranks), "repeats": cfg.repeats, "variants": list(cfg.variants),
                    "timeout_s": cfg.timeout_s, "warmup": cfg.warmup, "transport": "gloo", "pin_cores":
-                   os.environ.get("HP_PIN_CORES") == "1"},
+                   os.environ.get("HP_PIN_CORES") == "1", "failover_repeats": cfg.failover_repeats,
+                   "lease_s": cfg.lease_s},
         "etcd": {"version": etcd_version(), "data_dir": "local disk (tempfile), fsync on"} if etcd else None,
         "errors": errors,
         "completed": not errors,
@@ -225,7 +243,10 @@ def format_table(r: dict[str, Any]) -> str:
              f"{'ranks':>5}  " + "  ".join(f"{v:>24}" for v in variants)]
     for row in r["rows"]:
         lines.append(f"{row['ranks']:>5}  " + "  ".join(f"{fig(row[v]):>24}" for v in variants))
-    lines.append("failover_s: not measured (controller failover not built yet)")
+    f = r.get("failover")
+    lines.append(f"failover_s: {f['failover']['median']:.3f} [{f['failover']['min']:.3f}-{f['failover']['max']:.3f}] "
+                 f"(lease {f['lease_s']} s; SIGKILL of the leading replica until the standby answers)"
+                 if f else "failover_s: not measured (--failover-repeats 0)")
     return "\n".join(lines)
 
 
@@ -247,9 +268,12 @@ def run_cli(args: argparse.Namespace) -> int:
         raise UsageError(f"--variants: a comma-separated subset of {','.join(VARIANTS)}, got {args.variants!r}")
     if args.repeats < 1:
         raise UsageError("--repeats must be >= 1")
+    if args.failover_repeats < 0 or args.lease < 1:
+        raise UsageError("--failover-repeats must be >= 0 and --lease >= 1")
     cfg = InitBenchConfig(ranks=_ints(args.ranks), repeats=args.repeats, variants=variants,
-                          timeout_s=args.timeout, warmup=not args.no_warmup)
-    if "rootless" in variants:
+                          timeout_s=args.timeout, warmup=not args.no_warmup, failover_repeats=args.failover_repeats,
+                          lease_s=args.lease)
+    if "etcd" in variants or cfg.failover_repeats:
         from hp.core.etcd_store import etcd, etcd_binary
 
         etcd_binary()  # one line when the server is missing (BackendUnavailableError is a UsageError)
@@ -265,13 +289,17 @@ def run_cli(args: argparse.Namespace) -> int:
 
 
 def add_bench_init(bench: argparse._SubParsersAction) -> None:
-    p = bench.add_parser("init", help="process-group init time at 8/16/32 ranks: rootless (etcd store, hosted by "
-                                      "no rank) against TCPStore (hosted by rank 0, or by the agent)")
+    p = bench.add_parser("init", help="process-group init time at 8/16/32 ranks: rootless (a node agent's store, "
+                                      "hosted by no rank) against TCPStore hosted by rank 0, and on etcd; and the "
+                                      "HA controller's failover time")
     p.add_argument("--ranks", default="8,16,32", help="comma-separated world sizes (default 8,16,32)")
     p.add_argument("--repeats", type=int, default=3, help="timed formations per size and variant (default 3)")
     p.add_argument("--variants", default=",".join(VARIANTS), help=f"subset of {','.join(VARIANTS)}")
     p.add_argument("--timeout", type=float, default=180.0, help="seconds one formation may take before it fails")
     p.add_argument("--no-warmup", action="store_true", help="skip the untimed 2-rank round per variant")
+    p.add_argument("--failover-repeats", type=int, default=5,
+                   help="controller failovers to time on the same etcd (0: none; default 5)")
+    p.add_argument("--lease", type=int, default=2, help="the HA controller's lease in seconds (default 2, as hp run)")
     p.add_argument("--json", action="store_true", help="after the table, the result as the last stdout line")
     p.set_defaults(handler=run_cli)
 

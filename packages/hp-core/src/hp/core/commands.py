@@ -8,7 +8,7 @@ import signal
 import time
 
 from hp.core import auth
-from hp.core.config import RunConfig, parse_endpoint, parse_nnodes
+from hp.core.config import RunConfig, check_name, parse_endpoint, parse_nnodes
 from hp.core.errors import UsageError
 from hp.core.plugins import load_scaler
 from hp.core.hookspecs import hookimpl
@@ -50,7 +50,15 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
     a("--nproc-per-node", "--nproc_per_node", type=int, default=1, help="workers on this node")
     a("--node-rank", "--node_rank", type=int, default=0, help="this node's rank in [0, nnodes)")
     a("--rdzv-endpoint", "--rdzv_endpoint", default=None,
-      help="controller HOST:PORT; node 0 hosts it there unless --external-controller")
+      help="controller HOST:PORT; node 0 hosts it there unless --external-controller. With --store etcd: "
+           "the etcd cluster, HOST[:PORT][,HOST[:PORT]...] (like torchrun's etcd rendezvous): the agents elect "
+           "the controller among themselves and any of them takes over if its node dies (give every node "
+           "the same --run-id)")
+    a("--controller-port", type=int, default=0,
+      help="--store etcd: the port this node serves the controller on when elected (default: any free one)")
+    a("--controller-lease", type=int, default=2,
+      help="--store etcd: seconds of the controller's lease in etcd: a standby takes over this long after "
+           "the leader's node dies")
     a("--external-controller", action="store_true", help="a standalone `hp controller` runs this job")
     a("--max-restarts", "--max_restarts", type=int, default=0, help="worker restarts the job tolerates")
     a("--monitor-interval", "--monitor_interval", type=float, default=0.1, help="seconds between worker polls")
@@ -89,7 +97,9 @@ def _run(args: argparse.Namespace) -> int:
         entrypoint=args.entrypoint, args=list(args.args), module=args.module,
         nnodes=nnodes, max_nnodes=max_nnodes, scaling_policy=args.scaling_policy, grace_period_s=args.grace_period,
         capacity_file=args.capacity_file, nproc_per_node=args.nproc_per_node, node_rank=args.node_rank,
-        rdzv_endpoint=parse_endpoint(args.rdzv_endpoint) if args.rdzv_endpoint else None,
+        rdzv_endpoint=parse_endpoint(args.rdzv_endpoint) if args.rdzv_endpoint and args.store != "etcd" else None,
+        store_endpoint=_etcd_endpoint(args.rdzv_endpoint) if args.rdzv_endpoint and args.store == "etcd" else None,
+        controller_port=args.controller_port, controller_lease_s=args.controller_lease,
         external_controller=args.external_controller, max_restarts=args.max_restarts,
         monitor_interval_s=args.monitor_interval, heartbeat_interval_s=args.heartbeat_interval,
         heartbeat_timeout_s=args.heartbeat_timeout, hang_timeout_s=args.hang_timeout, rdzv_timeout_s=args.rdzv_timeout,
@@ -107,6 +117,20 @@ def _run(args: argparse.Namespace) -> int:
     return Agent(cfg, token, scaler).run()
 
 
+def _etcd_endpoint(text: str) -> str:
+    """``--rdzv-endpoint`` of an etcd cluster, checked: ``HOST[:PORT][,HOST[:PORT]...]``."""
+    from hp.core.etcd_store import parse_endpoints
+
+    try:
+        endpoints = parse_endpoints(text)
+    except ValueError as e:
+        raise UsageError(f"--rdzv-endpoint: expected etcd HOST[:PORT][,HOST[:PORT]...], got {text!r} ({e})") from None
+    for host, port in endpoints:
+        if not host or any(c.isspace() or c in "/?#@" for c in host) or not 0 < port <= 65535:
+            raise UsageError(f"--rdzv-endpoint: bad etcd member {host}:{port} in {text!r}")
+    return text
+
+
 def _add_controller(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("controller", help="run a job's controller (and its store) standalone")
     p.add_argument("--host", default="127.0.0.1", help="interface to bind (default loopback)")
@@ -116,6 +140,11 @@ def _add_controller(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-restarts", type=int, default=0)
     p.add_argument("--heartbeat-timeout", type=float, default=30.0)
     p.add_argument("--store", default="tcp", help="coordination store plugin")
+    p.add_argument("--rdzv-endpoint", default=None,
+                   help="with --store etcd: the etcd cluster HOST[:PORT][,...]; this process is then one replica "
+                        "of the job's controller (run several: one leads, the others take over if it dies)")
+    p.add_argument("--run-id", default=None, help="with --rdzv-endpoint: the job (as every node's `hp run --run-id`)")
+    p.add_argument("--lease", type=int, default=2, help="HA replicas: seconds of the leader's lease in etcd")
     p.add_argument("--decision-log", default=None, help="append decisions to this JSON-lines file")
     p.add_argument("--token-file", default=None)
     p.set_defaults(handler=_controller)
@@ -136,6 +165,8 @@ def _controller(args: argparse.Namespace) -> int:
         raise UsageError("an elastic job needs both --nnodes MIN:MAX and --scaling-policy FILE")
     scaler = load_scaler(args.scaling_policy) if args.scaling_policy is not None else None
     token = read_token(args, required=True)
+    if args.rdzv_endpoint is not None:
+        return _controller_replica(args, nnodes, max_nnodes, scaler, token)
     try:  # an address this machine does not have, a port in use: one line, not a traceback
         store = get_backend("store", args.store).serve(args.host, 0)
     except (OSError, RuntimeError) as e:
@@ -165,6 +196,60 @@ def _controller(args: argparse.Namespace) -> int:
         store.close()
     print(f"hp controller: job {controller.state.value} {controller.reason}".rstrip(), flush=True)
     return 0 if controller.state is JobState.SUCCEEDED else 1
+
+
+def _controller_replica(args: argparse.Namespace, nnodes: int, max_nnodes: int | None, scaler, token: str) -> int:
+    """``hp controller --store etcd --rdzv-endpoint ETCD --run-id JOB``: one replica of the job's HA
+    controller (:mod:`hp.core.leader`); it serves while it leads and waits while another does."""
+    from hp.core.controller import Controller, ControllerConfig
+    from hp.core.etcd_store import DEFAULT_PORT
+    from hp.core.leader import ControllerReplica
+    from hp.core.plugins import get_backend
+    from hp.core.protocol import JobState
+    from hp.core.rescale import ElasticController
+    from hp.core.signed_values import sealing
+
+    if args.store != "etcd":
+        raise UsageError(f"--rdzv-endpoint: controller replicas keep the job's state in etcd: --store etcd, not {args.store!r}")
+    if not args.run_id:
+        raise UsageError("--rdzv-endpoint needs the job's --run-id (the one every node's `hp run` is given)")
+    check_name(args.run_id, "--run-id")
+    if args.lease < 1:
+        raise UsageError(f"--lease must be >= 1 s, got {args.lease}")
+    endpoints = _etcd_endpoint(args.rdzv_endpoint)
+    backend = get_backend("store", "etcd")
+    store = backend.connect(endpoints, DEFAULT_PORT, job=args.run_id)
+
+    def make(persist):
+        config = ControllerConfig(nnodes=nnodes, max_nodes=max_nnodes, max_restarts=args.max_restarts,
+                                  heartbeat_timeout_s=args.heartbeat_timeout, store_host=endpoints,
+                                  store_port=DEFAULT_PORT, decision_log=args.decision_log)
+        publish = sealing(store.set, token)
+        return (Controller(config, publish=publish, persist=persist) if scaler is None
+                else ElasticController(config, scaler, publish=publish, persist=persist))
+
+    say = lambda line: print(f"hp controller: {line}", flush=True)  # noqa: E731
+    replica = ControllerReplica(store, token, make, args.host, args.port, node=f"replica-{args.port}",
+                                ttl_s=args.lease, say=say).start()
+    stop: list[int] = []
+    for s in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(s, lambda signum, frame: stop.append(signum))
+    final = None
+    try:
+        while not stop and replica.error is None:
+            c = replica.controller
+            if c is not None and c.state in (JobState.SUCCEEDED, JobState.FAILED):
+                final = c
+                time.sleep(1.0)  # let agents read the final state before the server goes away
+                break
+            time.sleep(0.1)
+    finally:
+        replica.stop()
+    if final is None:
+        print(f"hp controller: replica stopped{': ' + str(replica.error) if replica.error else ''}", flush=True)
+        return 1 if replica.error else 0
+    print(f"hp controller: job {final.state.value} {final.reason}".rstrip(), flush=True)
+    return 0 if final.state is JobState.SUCCEEDED else 1
 
 
 def _add_backends(sub: argparse._SubParsersAction) -> None:

@@ -98,6 +98,11 @@ class RunConfig:
     grace_period_s: float = 30.0  # SIGTERM (preemption): how long this node's ranks get to leave gracefully
     scheduler: str = "local"  # the scheduler backend whose capacity an elastic job follows
     capacity_file: str | None = None  # the ``local`` backend's capacity source (a number of ranks)
+    # HA (``--store etcd --rdzv-endpoint ETCD[,ETCD...]``): the etcd cluster that holds the job's keys and
+    # its controller's state; every agent runs a controller replica (hp.core.leader) and none hosts a store
+    store_endpoint: str | None = None
+    controller_port: int = 0  # HA: where this node's replica serves the controller when it leads (0: any)
+    controller_lease_s: int = 2  # HA: TTL of the controller's lease in etcd (whole seconds): the failover time
 
     def validate(self) -> None:
         check_name(self.run_id, "--run-id")
@@ -125,6 +130,18 @@ class RunConfig:
             raise UsageError(f"--scaling-policy: no such file: {self.scaling_policy}")
         for spec in self.services:
             parse_service_spec(spec)
+        if self.ha:
+            if self.store != "etcd":
+                raise UsageError(f"an HA controller keeps its state in etcd: --store etcd, not {self.store!r}")
+            if self.external_controller:
+                raise UsageError("--external-controller and --store etcd: the agents elect the controller "
+                                 "themselves (run standalone `hp controller --store etcd` replicas instead)")
+            if not 1 <= self.controller_lease_s < self.fence_after_s:
+                raise UsageError(f"--controller-lease must be >= 1 and shorter than an agent's fencing deadline "
+                                 f"({self.fence_after_s:g} s: raise --heartbeat-timeout), got {self.controller_lease_s}")
+            if not 0 <= self.controller_port <= 65535:
+                raise UsageError(f"--controller-port must be in [0, 65535], got {self.controller_port}")
+            return
         multi_node = self.nnodes > 1 or self.external_controller or (self.max_nnodes or 1) > 1
         if multi_node and (self.rdzv_endpoint is None or self.rdzv_endpoint.port == 0):
             raise UsageError("--rdzv-endpoint HOST:PORT with a fixed port is required when "
@@ -138,8 +155,15 @@ class RunConfig:
         return max(self.heartbeat_interval_s, self.heartbeat_timeout_s - 2 * self.heartbeat_interval_s)
 
     @property
+    def ha(self) -> bool:
+        """Whether the agents elect the controller among themselves (:mod:`hp.core.leader`)."""
+        return self.store_endpoint is not None
+
+    @property
     def hosts_controller(self) -> bool:
-        return self.node_rank == 0 and not self.external_controller
+        """Whether this node's agent hosts the (only) controller and its store: node 0's, unless the
+        controller is external or HA (then every agent runs a replica and none hosts it for good)."""
+        return self.node_rank == 0 and not self.external_controller and not self.ha
 
     @property
     def controller_endpoint(self) -> Endpoint:

@@ -39,6 +39,7 @@ import time
 import urllib.error
 import urllib.request
 from collections import Counter
+from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 from hp.core import auth
@@ -305,9 +306,13 @@ class ControlClient:
     workers and spares, :data:`hp.core.auth.OPERATOR` for operator tools. None: the payload's
     ``node_rank`` if it has one, else the operator."""
 
-    def __init__(self, endpoint: str, token: str, timeout_s: float = 10.0, node: int | str | None = None) -> None:
+    def __init__(self, endpoint: str, token: str, timeout_s: float = 10.0, node: int | str | None = None,
+                 follow: Callable[[str, float], str | None] | None = None) -> None:
         self.endpoint, self._timeout = endpoint, timeout_s
         self.node = None if node is None else str(node)
+        # HA (hp.core.leader.LeaderResolver.wait_for_other): where the controller went when this endpoint
+        # stops answering or answers that it was deposed; None: the endpoint is the only one
+        self.follow = follow
         self._keys: dict[str, str] = {}
         self._token = token
         # The controller is reached directly: an http_proxy meant for package downloads must not apply.
@@ -324,8 +329,28 @@ class ControlClient:
                 raise ControlPlaneError(f"cannot sign as {node!r}: {e}") from None
         return self._keys[node]
 
-    def call(self, verb: str, payload: dict) -> dict:
-        """Send one request; returns the answer or raises :class:`ControlPlaneError`."""
+    def call(self, verb: str, payload: dict, timeout_s: float | None = None) -> dict:
+        """Send one request; returns the answer or raises :class:`ControlPlaneError`. With ``follow``, a
+        controller that does not answer, or was deposed, is replaced by the one ``follow`` names and the
+        request sent again (same ``rid``: the new leader answers a request its predecessor decided with
+        the same decision), until ``timeout_s`` (default: the client's) has passed."""
+        timeout = self._timeout if timeout_s is None else timeout_s
+        deadline = time.monotonic() + timeout
+        payload = {**payload, "rid": secrets.token_hex(8)}
+        while True:
+            try:
+                return self._send(verb, payload, max(0.05, deadline - time.monotonic()))
+            except ControlPlaneError as e:
+                if self.follow is None or e.status not in (0, 503):
+                    raise
+                other = self.follow(self.endpoint, deadline)
+                if other is None:
+                    raise
+                log.info("controller at %s %s: following the leader to %s", self.endpoint,
+                         "was deposed" if e.status else "does not answer", other)
+                self.endpoint = other
+
+    def _send(self, verb: str, payload: dict, timeout: float) -> dict:
         node = self.node
         if node is None:
             claimed = payload.get("node_rank")
@@ -338,7 +363,7 @@ class ControlClient:
         )
         try:
             try:
-                with self._opener.open(request, timeout=self._timeout) as response:
+                with self._opener.open(request, timeout=timeout) as response:
                     status, raw, headers = response.status, response.read(), response.headers
             except urllib.error.HTTPError as e:
                 status, raw, headers = e.code, e.read(), e.headers

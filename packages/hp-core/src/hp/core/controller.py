@@ -23,6 +23,15 @@ heartbeat      none: liveness whatever the agent has seen; the answer carries th
 join           the job's state: only during rendezvous (or, elastic, a node not yet a member)
 scale          none: the operator sets the desired capacity, not a change relative to a generation
 ============== ======================================================================================
+
+Durability (the HA controller, :mod:`hp.core.leader`): with a ``persist`` function injected, every
+request that changed the job's state is written through it *before* its answer is sent and before
+the values it publishes reach the store (they are held in an outbox, itself part of the persisted
+state, so a replica that takes over re-publishes what its predecessor may not have). A persist that
+fails (the lease was lost) *deposes* this controller: that request and every later one is refused
+(503), so a deposed leader never answers a decision it could not make durable. A request that names
+a ``rid`` is answered from the node's last answer when it repeats that ``rid``: an agent that retries
+against the new leader a request the old one decided gets the same decision, not a refusal.
 """
 
 from __future__ import annotations
@@ -42,6 +51,9 @@ from hp.core.protocol import (
 from hp.core.spares import SparePool
 
 log = logging.getLogger("hp.controller")
+
+
+ANSWERS_KEPT = 8  # decided requests remembered per node, for a retry at a new leader (see the docstring)
 
 
 class Refused(Exception):
@@ -65,6 +77,7 @@ class NodeRecord:
     address: str = ""  # the address the agent reached the controller from (told to survivors)
     spare_ids: list[str] = field(default_factory=list)  # the ids of the spares its agent starts (after rendezvous)
     promotions: list[dict] = field(default_factory=list)  # spares of this node given a rank, not yet told
+    forming_store: str = ""  # HOST:PORT of the TCPStore its agent hosts for forming process groups (HA), if any
 
 
 @dataclass
@@ -85,6 +98,11 @@ def describe_exit(exitcode: int | None, signal_name: str | None) -> str:
     return f"exited with code {exitcode}"
 
 
+def _host_port(text: str) -> bool:
+    host, _, port = text.rpartition(":")
+    return bool(host) and port.isdigit() and 0 < int(port) < 65536 and not any(c.isspace() or c in "/?#@" for c in host)
+
+
 def request_field(payload: dict, name: str, kind: type | tuple[type, ...]) -> Any:
     value = payload.get(name)
     if not isinstance(value, kind) or isinstance(value, bool) and kind is not bool:
@@ -96,10 +114,19 @@ class Controller:
     """One per job. Thread-safe: the control server calls it from several threads."""
 
     def __init__(self, config: ControllerConfig, clock: Callable[[], float] = time.monotonic,
-                 publish: Callable[[str, str], None] | None = None) -> None:
+                 publish: Callable[[str, str], None] | None = None,
+                 persist: Callable[[dict, list[dict]], None] | None = None) -> None:
         self.config = config
         self._clock = clock
         self._publish_fn = publish
+        self._persist_fn = persist  # (state, new decisions): durable before any answer (hp.core.leader)
+        self._outbox: list[tuple[str, str]] = []  # values to publish once the state that made them is durable
+        self._dirty = False  # the state changed since it was last persisted
+        self._persisted = 0  # decisions already persisted
+        self.deposed = ""  # why this controller may no longer decide (its lease was lost); "" while it may
+        # node_rank -> its last decided requests, newest last: [{"rid", "verb", "answer"}] (its agent's and
+        # its workers' interleave: a few are kept)
+        self.answers: dict[int, list[dict]] = {}
         self._lock = threading.Lock()
         self.generation = 0
         self.state = JobState.RENDEZVOUS
@@ -112,7 +139,8 @@ class Controller:
         self.spares = SparePool()
         self.free_spares = self.spares.free  # spare id -> node_rank (the pool's own dict)
         self.rank_exceptions: dict[int, int] = {}
-        self.decisions: list[dict] = []
+        self.decisions: list[dict] = []  # made by this controller
+        self.decisions_before = 0  # made by the leaders before it (HA: the count of the job's log)
         self._handlers = {
             Verb.JOIN: self._join,
             Verb.RENDEZVOUS: self._rendezvous,
@@ -134,13 +162,72 @@ class Controller:
         """Dispatch one authenticated request; raises :class:`Refused` (and logs it) on refusal."""
         handler = self._handlers.get(verb)
         with self._lock:
+            if self.deposed:
+                raise Refused(503, f"this controller was deposed ({self.deposed}): ask the current leader")
             try:
                 if handler is None:
                     raise Refused(404, f"unknown request {verb!r}")
-                return handler(payload)
+                repeated = self._repeated(verb, payload)
+                if repeated is not None:
+                    return repeated
+                answer = handler(payload)
+                self._remember(verb, payload, answer)
+                return answer
             except Refused as r:
                 self.record_refusal(verb, r.status, r.message, payload.get("node_rank"))
                 raise
+            finally:
+                self._commit()
+
+    def _repeated(self, verb: str, payload: dict) -> dict | None:
+        """The answer already given to this very request (same node, verb and ``rid``), if any."""
+        rid, node = payload.get("rid"), payload.get("node_rank")
+        if not isinstance(rid, str) or type(node) is not int:
+            return None
+        return next((a["answer"] for a in self.answers.get(node, ()) if a["rid"] == rid and a["verb"] == verb), None)
+
+    def _remember(self, verb: str, payload: dict, answer: dict) -> None:
+        rid, node = payload.get("rid"), payload.get("node_rank")
+        if self._dirty and isinstance(rid, str) and type(node) is int and node in self.nodes:
+            kept = self.answers.setdefault(node, [])
+            kept.append({"rid": rid, "verb": verb, "answer": answer})
+            del kept[:-ANSWERS_KEPT]
+
+    def _commit(self) -> None:
+        """Make what the last request changed durable (when persisting), then publish its values."""
+        if self._dirty and self._persist_fn is not None:
+            from hp.core.controller_state import dump  # the state's shape lives there
+
+            try:
+                self._persist_fn(dump(self, self._outbox), self.decisions[self._persisted:])
+            except Exception as e:  # lost the lease (or the store): nothing of this request may take effect
+                self.deposed = str(e) or type(e).__name__
+                self._outbox.clear()
+                log.error("controller deposed: %s", self.deposed)
+                raise Refused(503, f"this controller was deposed ({self.deposed}): ask the current leader") from None
+            self._persisted = len(self.decisions)
+        self._dirty = False
+        outbox, self._outbox = self._outbox, []
+        if self._publish_fn is not None:
+            for key, value in outbox:
+                self._publish_fn(key, value)
+
+    @property
+    def decision_count(self) -> int:
+        """Decisions made in this job, by every leader so far."""
+        return self.decisions_before + len(self.decisions)
+
+    def take_over(self, state: dict | None, **details: Any) -> None:
+        """An HA replica was elected (:mod:`hp.core.leader`): ``state`` is the last one its predecessor
+        persisted (None: the job is new). Logs the election and persists under the new lease; the values
+        of the last decision are published again (its leader may have died before it could)."""
+        from hp.core.controller_state import load
+
+        with self._lock:
+            if state is not None:
+                self._outbox = load(self, state, self._clock())
+            self._log(Decision.CONTROLLER_ELECTED, **details)
+            self._commit()
 
     def record_refusal(self, verb: str, status: int, message: str, node_rank: Any = None) -> None:
         log.warning("refused %s from node %s: %s", verb, node_rank, message)
@@ -151,13 +238,19 @@ class Controller:
         free spare on a surviving node, in one new generation; without enough spares the job fails,
         naming the nodes. (A lost node's agent fences itself before this: see hp.core.agent.)"""
         with self._lock:
-            if self.state is not JobState.RUNNING:
+            if self.state is not JobState.RUNNING or self.deposed:
                 return
             now = self._clock()
             lost = [n for n in self.nodes.values()
                     if not n.done and not n.lost and now - n.last_seen > self.config.heartbeat_timeout_s]
             if lost:
-                self._lose_nodes(lost, now)
+                try:
+                    self._lose_nodes(lost, now)
+                finally:
+                    try:
+                        self._commit()
+                    except Refused:
+                        pass  # deposed: the new leader decides about these nodes
 
     def _lose_nodes(self, lost: list[NodeRecord], now: float) -> None:
         names = ", ".join(f"node {n.node_rank} ({n.host}{' ' + n.address if n.address else ''})" for n in lost)
@@ -193,13 +286,14 @@ class Controller:
             "ready_spares": sorted(self.spares.ready),
             "nodes": {n.node_rank: {"host": n.host, "nproc": n.nproc, "done": n.done, "lost": n.lost}
                       for n in self.nodes.values()},
-            "decisions": len(self.decisions),
+            "decisions": self.decision_count,
         }
 
     # ---- decisions ----------------------------------------------------------------------
     def _log(self, decision: Decision, **details: Any) -> None:
         entry = {"t": time.time(), "generation": self.generation, "decision": decision, **details}
         self.decisions.append(entry)
+        self._dirty = self._dirty or decision is not Decision.REFUSED  # a refusal changes nothing
         if self.config.decision_log:
             with open(self.config.decision_log, "a") as f:
                 f.write(json.dumps(entry) + "\n")
@@ -213,13 +307,21 @@ class Controller:
         """Tell every worker through the store: the plan of the new generation first, then its
         number, so a worker that sees the number can always read the plan."""
         plan = Plan(self.generation, len(self.members), self.state.value, self.reason, dict(self.holders), why,
-                    at_boundary)
+                    at_boundary, self._forming_store())
         self._publish(plan_key(self.generation), plan.to_json())
         self._publish(GENERATION_KEY, str(self.generation))
 
+    def _forming_store(self) -> str:
+        """Where this generation's group forms: the store of the first live node holding a rank that hosts
+        one (never a rank's, and a different node's once that one is lost); "": the job's store."""
+        holding = sorted(set(self.members.values()))
+        return next((self.nodes[n].forming_store for n in holding
+                     if n in self.nodes and not self.nodes[n].lost and self.nodes[n].forming_store), "")
+
     def _publish(self, key: str, value: str) -> None:
-        if self._publish_fn is not None:
-            self._publish_fn(key, value)
+        """Queue ``key = value`` for the store; :meth:`_commit` sends it once the decision is durable."""
+        self._outbox.append((key, value))
+        self._dirty = True
 
     def _fail(self, reason: str) -> None:
         # Ending the job is the last membership change: workers waiting for a new generation
@@ -295,9 +397,11 @@ class Controller:
         node_rank = request_field(p, "node_rank", int)
         nproc = request_field(p, "nproc", int)
         host = request_field(p, "host", str)
-        spares, address = p.get("spares", 0), p.get("address", "")
+        spares, address, forming = p.get("spares", 0), p.get("address", ""), p.get("forming_store", "")
         if not isinstance(address, str):
             raise Refused(400, "malformed request: field 'address' must be str")
+        if not isinstance(forming, str) or (forming and not _host_port(forming)):
+            raise Refused(400, "malformed request: field 'forming_store' must be HOST:PORT")
         if not isinstance(spares, int) or isinstance(spares, bool) or spares < 0:
             raise Refused(400, "malformed request: field 'spares' must be an int >= 0")
         limit = max(self.config.nnodes, self.config.max_nodes or 0)
@@ -305,7 +409,7 @@ class Controller:
             raise Refused(400, f"node_rank {node_rank} outside [0, {limit})")
         if nproc < 1:
             raise Refused(400, f"nproc must be >= 1, got {nproc}")
-        return NodeRecord(node_rank, nproc, host, spares, address=address)
+        return NodeRecord(node_rank, nproc, host, spares, address=address, forming_store=forming)
 
     def _rendezvous(self, p: dict) -> dict:
         node = self._node(p)
@@ -331,6 +435,7 @@ class Controller:
         request_field(p, "generation", int)
         node.last_seen = self._clock()
         promotions, node.promotions = node.promotions, []
+        self._dirty = self._dirty or bool(promotions)  # told once: a new leader must not tell them again
         ranks = {self.holders[r]: r for r, owner in self.members.items() if owner == node.node_rank}
         answer = {"state": self.state.value, "generation": self.generation, "reason": self.reason,
                   "promotions": promotions, "ranks": ranks, "lost": sorted(n.address for n in self.nodes.values() if n.lost and n.address)}

@@ -134,7 +134,7 @@ class HpEtcdStore(EtcdStore):
         return self._encode(value if isinstance(value, (str, bytes)) else bytes(value))
 
     # ---- calls that ride out a member going away --------------------------------------
-    def _call(self, fn: Callable[[], T], deadline: float | None = None, idempotent: bool = True) -> T:
+    def call(self, fn: Callable[[], T], deadline: float | None = None, idempotent: bool = True) -> T:
         """``fn()`` against the current member; on a connection failure move to the next member and
         try again until ``deadline`` (default: the store's timeout from now). A write that may have
         reached etcd is repeated only when ``idempotent``."""
@@ -157,7 +157,7 @@ class HpEtcdStore(EtcdStore):
     # ---- the c10d Store API ----------------------------------------------------------
     def set(self, key, value) -> None:
         path, v = self._path(key), self._value(value)
-        self._call(lambda: self.client.write(path, v))
+        self.call(lambda: self.client.write(path, v))
 
     def get(self, key) -> bytes:
         path = self._path(key)
@@ -175,7 +175,7 @@ class HpEtcdStore(EtcdStore):
             node = self._read(path)
             if node is None:
                 try:  # absent: create it with num (0 + num), unless another process just did
-                    node = self._call(lambda: self.client.write(path, self._value(str(num)), prevExist=False),
+                    node = self.call(lambda: self.client.write(path, self._value(str(num)), prevExist=False),
                                       idempotent=False)
                     return int(self._decode(node.value))
                 except etcd.EtcdAlreadyExist:
@@ -185,7 +185,7 @@ class HpEtcdStore(EtcdStore):
                 return current
             new = self._value(str(current + num))
             try:
-                self._call(lambda n=node: self.client.test_and_set(path, new, prev_value=n.value), idempotent=False)
+                self.call(lambda n=node: self.client.test_and_set(path, new, prev_value=n.value), idempotent=False)
                 return current + num
             except (etcd.EtcdCompareFailed, etcd.EtcdKeyNotFound):
                 time.sleep(random.uniform(0, 0.002))  # another writer won this round
@@ -202,7 +202,7 @@ class HpEtcdStore(EtcdStore):
                 if expected_b:
                     return expected_b
                 try:
-                    self._call(lambda: self.client.write(path, self._value(desired_b), prevExist=False),
+                    self.call(lambda: self.client.write(path, self._value(desired_b), prevExist=False),
                                idempotent=False)
                     return desired_b
                 except etcd.EtcdAlreadyExist:
@@ -211,7 +211,7 @@ class HpEtcdStore(EtcdStore):
             if current != expected_b:
                 return current
             try:
-                self._call(lambda n=node: self.client.test_and_set(path, self._value(desired_b), prev_value=n.value),
+                self.call(lambda n=node: self.client.test_and_set(path, self._value(desired_b), prev_value=n.value),
                            idempotent=False)
                 return desired_b
             except (etcd.EtcdCompareFailed, etcd.EtcdKeyNotFound):
@@ -223,10 +223,10 @@ class HpEtcdStore(EtcdStore):
             node = self._read(path)
             try:
                 if node is None:
-                    self._call(lambda: self.client.write(path, self._value(extra), prevExist=False), idempotent=False)
+                    self.call(lambda: self.client.write(path, self._value(extra), prevExist=False), idempotent=False)
                 else:
                     new = self._value(self._decode(node.value) + extra)
-                    self._call(lambda n=node: self.client.test_and_set(path, new, prev_value=n.value),
+                    self.call(lambda n=node: self.client.test_and_set(path, new, prev_value=n.value),
                                idempotent=False)
                 return
             except (etcd.EtcdAlreadyExist, etcd.EtcdCompareFailed, etcd.EtcdKeyNotFound):
@@ -235,14 +235,14 @@ class HpEtcdStore(EtcdStore):
     def delete_key(self, key) -> bool:
         path = self._path(key)
         try:
-            self._call(lambda: self.client.delete(path))
+            self.call(lambda: self.client.delete(path))
             return True
         except etcd.EtcdKeyNotFound:
             return False
 
     def num_keys(self) -> int:
         try:
-            listing = self._call(lambda: self.client.read(self.prefix, recursive=True))
+            listing = self.call(lambda: self.client.read(self.prefix, recursive=True))
         except etcd.EtcdKeyNotFound:
             return 0
         return sum(1 for n in listing.leaves if not n.dir and n.key != listing.key)
@@ -251,7 +251,7 @@ class HpEtcdStore(EtcdStore):
     def _read(self, path: str, deadline: float | None = None):
         """The node at ``path`` or None."""
         try:
-            return self._call(lambda: self.client.read(path), deadline)
+            return self.call(lambda: self.client.read(path), deadline)
         except etcd.EtcdKeyNotFound:
             return None
 
@@ -263,7 +263,7 @@ class HpEtcdStore(EtcdStore):
         for path in paths:
             while path not in found:
                 try:
-                    found[path] = self._call(lambda p=path: self.client.read(p), deadline).value
+                    found[path] = self.call(lambda p=path: self.client.read(p), deadline).value
                     break
                 except etcd.EtcdKeyNotFound as e:
                     index = int((e.payload or {}).get("index", 0))

@@ -50,6 +50,7 @@ STATE_NBYTES_KEY = "hp/state_nbytes"  # size of a full hydration, published by r
 # the last step, set by the ranks that finished the training loop: a process still waiting to join a
 # generation (a grow decided during the last steps) will find nobody to form it with, and leaves
 FINISHED_KEY = "hp/finished"
+CONTROLLER_KEY = "hp/controller"  # HA (etcd store): the elected controller's endpoint, sealed, JSON {endpoint, epoch, node}
 FAULT_CLAIM_KEY = "hp/fault/{index}/{step}"  # an injected fault (HP_FAULTS entry, step) is claimed by one process
 
 
@@ -71,13 +72,27 @@ def node_service_key(service: str, node_rank: int) -> str:
 def is_sealed_key(key: str) -> bool:
     """Whether the value at ``key`` is sealed with the job token (:mod:`hp.core.signed_values`): every
     value a process acts on. The arrival-barrier counters, fault claims and torch's keys are not."""
-    return key in (GENERATION_KEY, STATE_NBYTES_KEY, FINISHED_KEY) or key.startswith(
+    return key in (GENERATION_KEY, STATE_NBYTES_KEY, FINISHED_KEY, CONTROLLER_KEY) or key.startswith(
         ("hp/plan/", "hp/spare/", "hp/node_service/"))
 
 
 def arrive_prefix(generation: int) -> str:
     """Store prefix of the barrier the ranks of ``generation`` pass before forming their process group."""
     return f"hp/arrive/{generation}/"
+
+
+ARRIVE_OUTCOME = "outcome"  # under arrive_prefix(g): how the barrier of generation g ended (ArriveOutcome)
+
+
+class ArriveOutcome(StrEnum):
+    """How the arrival barrier of a generation ended, decided once (``compare_set`` on the absent key
+    :data:`ARRIVE_OUTCOME`): FORMED by the rank that arrives last; ABANDONED by a node's relay
+    (:mod:`hp.core.fanout`) once the next generation's plan is published, so that ranks blocked in the
+    barrier wake at once. Not sealed, like the arrival counter it completes: a rank acts on ABANDONED
+    only once it sees a genuine newer generation."""
+
+    FORMED = "formed"
+    ABANDONED = "abandoned"
 
 
 # why a generation was made (``Plan.why``) when it changes the world size: a process whose holder is not
@@ -222,6 +237,7 @@ class Decision(StrEnum):
     JOB_SUCCEEDED = "job_succeeded"
     FAIL_JOB = "fail_job"
     REFUSED = "refused"
+    CONTROLLER_ELECTED = "controller_elected"  # an HA replica took the lease and restored the job's state
 
 
 # ---- values at the store keys -------------------------------------------------------------
@@ -259,7 +275,10 @@ class Plan:
     what made this generation. A process finds its rank by its holder id (:meth:`rank_of`): a scale
     event renumbers the ranks. ``at_boundary``: a planned change (grow, graceful preemption): the
     ranks of the previous generation finish the step they are in and re-form after its commit, instead
-    of abandoning it; a process whose holder is no longer in the plan then leaves the job."""
+    of abandoning it; a process whose holder is no longer in the plan then leaves the job.
+    ``forming_store``: ``HOST:PORT`` of the ``TCPStore`` the ranks form this generation's process group on,
+    hosted by a live node's agent that the controller picked for this generation (no rank hosts it, and a
+    lost host only costs the generation being formed: the next one forms on another's); "" for the job's store."""
 
     generation: int
     world_size: int
@@ -268,6 +287,7 @@ class Plan:
     holders: dict[int, str]
     why: str = ""
     at_boundary: bool = False
+    forming_store: str = ""
 
     def rank_of(self, holder: str) -> int | None:
         """The rank ``holder`` holds in this generation (None: it holds none)."""
@@ -276,7 +296,8 @@ class Plan:
     def to_json(self) -> str:
         return json.dumps({"generation": self.generation, "world_size": self.world_size, "why": self.why,
                            "state": self.state, "reason": self.reason, "at_boundary": self.at_boundary,
-                           "holders": {str(r): h for r, h in self.holders.items()}})
+                           "holders": {str(r): h for r, h in self.holders.items()},
+                           **({"forming_store": self.forming_store} if self.forming_store else {})})
 
     @classmethod
     def from_json(cls, raw: str | bytes) -> Plan:
@@ -292,7 +313,8 @@ class Plan:
             raise ProtocolError(f"malformed {what}: 'holders' must map decimal ranks to process ids")
         return cls(generation, _count(value, "world_size", what), JobState(state), _get(value, "reason", str, what),
                    {int(r): h for r, h in holders.items()}, _get(value, "why", str, what, default=""),
-                   _get(value, "at_boundary", bool, what, default=False))
+                   _get(value, "at_boundary", bool, what, default=False),
+                   _get(value, "forming_store", str, what, default=""))
 
 
 @dataclass(frozen=True)

@@ -35,8 +35,9 @@ from hp.core.scaling import CAPACITY, FAILURE, PREEMPTION, Scaler, ScaleEvent, r
 
 class ElasticController(Controller):
     def __init__(self, config: ControllerConfig, scaler: Scaler, clock: Callable[[], float] = time.monotonic,
-                 publish: Callable[[str, str], None] | None = None) -> None:
-        super().__init__(config, clock, publish)
+                 publish: Callable[[str, str], None] | None = None,
+                 persist: Callable[[dict, list[dict]], None] | None = None) -> None:
+        super().__init__(config, clock, publish, persist)
         self.scaler = scaler
         self.capacity: int | None = None  # ranks the cluster gives the job (None: as many as the policy allows)
         self.joiners: set[str] = set()  # spares waiting to grow the job (not kept in reserve for failures)

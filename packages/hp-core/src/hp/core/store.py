@@ -43,8 +43,9 @@ class StoreBackend:
         """Start a server bound to ``host`` only (port 0 picks a free one)."""
         raise NotImplementedError
 
-    def connect(self, host: str, port: int, timeout: timedelta = timedelta(seconds=60)) -> dist.Store:
-        """A client of the server at ``host:port``."""
+    def connect(self, host: str, port: int, timeout: timedelta = timedelta(seconds=60),
+                job: str | None = None) -> dist.Store:
+        """A client of the server at ``host:port``; ``job``: the job's keys where a store holds many jobs'."""
         raise NotImplementedError
 
 
@@ -69,10 +70,11 @@ class TCPStoreBackend(StoreBackend):
         )
         return StoreServer(host, bound_port, store, [sock])
 
-    def connect(self, host: str, port: int, timeout: timedelta = timedelta(seconds=60)) -> dist.Store:
+    def connect(self, host: str, port: int, timeout: timedelta = timedelta(seconds=60),
+                job: str | None = None) -> dist.Store:
         import torch.distributed as dist
 
-        return dist.TCPStore(host, port, is_master=False, timeout=timeout)
+        return dist.TCPStore(host, port, is_master=False, timeout=timeout)  # one job's: its host's
 
 
 class EtcdStoreBackend(StoreBackend):

@@ -1,0 +1,134 @@
+"""The HA controller on a real etcd (hp.core.leader): the lease, fenced state writes, and `hp controller`
+replicas handing a job over when the leader is SIGKILLed or frozen past its lease.
+
+Each xdist worker starts its own etcd once per module; it and every replica are stopped whatever the
+tests do."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+import uuid
+from datetime import timedelta
+
+import pytest
+
+from hp.core import etcd_store, get_backend
+from hp.core.bench_failover import ReplicaSet
+from hp.core.control_plane import ControlClient
+from hp.core.errors import ControlPlaneError
+from hp.core.leader import Deposed, LeaderResolver, Lease, StateKeeper
+
+etcd_store.etcd_binary()  # a missing etcd fails these tests (scripts/setup.sh installs it)
+TOKEN = "t" * 40
+
+
+@pytest.fixture(scope="module")
+def etcd_server(tmp_path_factory):
+    server = etcd_store.EtcdServer("127.0.0.1", workdir=str(tmp_path_factory.mktemp("etcd")), die_with_parent=True)
+    try:
+        yield server.start()
+    finally:
+        server.stop()
+
+
+def job_store(server, job: str):
+    return get_backend("store", "etcd").connect(server.host, server.port, timedelta(seconds=5), job=job)
+
+
+def test_one_candidate_holds_the_lease_until_it_releases_it_or_stops_refreshing(etcd_server):
+    job = uuid.uuid4().hex
+    a, b = (Lease(job_store(etcd_server, job), name, ttl_s=1) for name in ("a", "b"))
+    assert a.try_acquire() and not b.try_acquire()
+    assert a.refresh() and a.epoch > 0
+    a.release()
+    assert b.try_acquire() and b.epoch > 0
+    stop = threading.Event()
+    started = time.monotonic()
+    assert a.acquire(stop)  # b never refreshes: its key expires, a's watch sees it go
+    assert time.monotonic() - started < 10
+    assert a.epoch > b.epoch  # epochs only grow
+    assert not b.refresh()  # b lost it: it must not believe it still leads
+
+
+def test_state_writes_are_fenced_a_deposed_leader_cannot_overwrite_the_new_ones(etcd_server):
+    job = uuid.uuid4().hex
+    old = StateKeeper(job_store(etcd_server, job), TOKEN, epoch=1)
+    assert old.read() is None
+    old.persist({"generation": 1}, [{"decision": "join"}])
+    new = StateKeeper(job_store(etcd_server, job), TOKEN, epoch=2)
+    assert new.read() == {"generation": 1}
+    new.persist({"generation": 1, "by": "new"}, [{"decision": "controller_elected"}])  # the takeover write
+    with pytest.raises(Deposed, match="another controller wrote"):
+        old.persist({"generation": 2}, [])
+    assert StateKeeper(job_store(etcd_server, job), TOKEN, epoch=3).read() == {"generation": 1, "by": "new"}
+    assert [d["decision"] for d in new.decisions()] == ["join", "controller_elected"]
+
+
+def test_a_forged_state_in_etcd_is_never_taken_over(etcd_server):
+    job = uuid.uuid4().hex
+    store = job_store(etcd_server, job)
+    keeper = StateKeeper(store, TOKEN, epoch=1)
+    store.client.write(keeper.path, json.dumps({"epoch": 1, "state": {"generation": 99}}))  # no token: unsealed
+    with pytest.raises(Deposed, match="not sealed with this job's token"):
+        keeper.read()
+    other = StateKeeper(store, "u" * 40, epoch=1)  # sealed with another job's token
+    store.client.delete(keeper.path)
+    other.read()
+    other.persist({"generation": 5}, [])
+    with pytest.raises(Deposed, match="not sealed"):
+        keeper.read()
+
+
+@pytest.fixture
+def replicas(etcd_server, tmp_path):
+    with ReplicaSet(etcd_server.endpoint, TOKEN, lease_s=1, log_dir=str(tmp_path)) as r:
+        yield r
+
+
+def test_a_replica_takes_the_job_over_when_the_leader_is_sigkilled(replicas):
+    client = ControlClient(replicas.leader(), TOKEN, node=0, follow=replicas.resolver.wait_for_other, timeout_s=20)
+    client.call("join", {"node_rank": 0, "nproc": 2, "host": "h0", "spares": 1})
+    before = client.call("state", {})
+    assert before["state"] == "running" and before["generation"] == 1
+    first = client.endpoint
+    replicas.process_of(first).kill()
+    killed = time.monotonic()
+    beat = client.call("heartbeat", {"node_rank": 0, "generation": 1})  # follows to the standby
+    failover = time.monotonic() - killed
+    assert client.endpoint != first
+    assert beat["state"] == "running" and beat["generation"] == 1
+    after = client.call("state", {})
+    assert {k: v for k, v in after.items() if k != "decisions"} == {k: v for k, v in before.items() if k != "decisions"}
+    assert failover < 15, f"failover took {failover:.1f} s (lease 1 s)"
+    # and it goes on deciding: the rank's failure is fenced by the holder the old leader recorded
+    d = client.call("worker_failed", {"node_rank": 0, "generation": 1, "rank": 1, "holder": "r1.0", "signal": "SIGKILL"})
+    assert d["action"] == "promote_spare" and d["generation"] == 2
+
+
+def test_a_frozen_leader_that_wakes_after_a_takeover_answers_nothing(replicas):
+    client = ControlClient(replicas.leader(), TOKEN, node=0, follow=replicas.resolver.wait_for_other, timeout_s=20)
+    client.call("join", {"node_rank": 0, "nproc": 2, "host": "h0", "spares": 1})
+    old_endpoint = client.endpoint
+    old = replicas.process_of(old_endpoint).pid
+    os.kill(old, signal.SIGSTOP)  # a stalled leader: its lease runs out while it is frozen
+    try:
+        client.call("heartbeat", {"node_rank": 0, "generation": 1})
+        assert client.endpoint != old_endpoint
+    finally:
+        os.kill(old, signal.SIGCONT)
+    d = client.call("worker_failed", {"node_rank": 0, "generation": 1, "rank": 1, "holder": "r1.0", "signal": "SIGKILL"})
+    assert d["generation"] == 2
+    stale = ControlClient(old_endpoint, TOKEN, node=0, timeout_s=3)  # straight at the old leader, no following
+    deadline = time.monotonic() + 10
+    while True:  # it may answer a read for the instant before it notices; never a decision
+        with pytest.raises(ControlPlaneError) as e:
+            stale.call("worker_failed", {"node_rank": 0, "generation": 2, "rank": 0, "holder": "r0.0", "signal": "SIGKILL"})
+        if e.value.status in (0, 503) or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert e.value.status in (0, 503), e.value
+    assert client.call("state", {})["generation"] == 2  # the new leader's job: nothing the old one did counts
