@@ -15,8 +15,10 @@ import pytest
 import torch.distributed as dist
 
 from hp.checkpointless.membership import (
-    JobView, Superseded, Watch, arrive, wait_for_assignment, wait_for_generation,
+    JobFinished, JobView, Superseded, Watch, arrive, wait_for_assignment, wait_for_generation,
 )
+from hp.core.bench_control_nodes import counting
+from hp.core.fanout import Mirror, Relay
 from hp.core.protocol import (
     FINISHED_KEY, GENERATION_KEY, STATE_NBYTES_KEY, Plan, SpareAssignment, arrive_prefix, plan_key, spare_key,
 )
@@ -191,3 +193,123 @@ def test_the_watch_hands_on_only_genuine_plans(store):
         wait_for(lambda: seen == [_plan(1), _plan(2)], 10, "generation 2")
     finally:
         watch.stop()
+
+
+# ---- with the node's channel (hp.core.fanout, issue #14): no store request while waiting ---------------
+@pytest.fixture
+def channel(store):
+    relay = Relay(lambda: dist.TCPStore("127.0.0.1", store.port, is_master=False, timeout=timedelta(seconds=10)),
+                  TOKEN, node_rank=0, wait_s=0.3, log=lambda m: None).start()
+    mirror = Mirror(relay.channel.path)
+    yield relay, mirror
+    mirror.close()
+    relay.stop(timeout_s=5)
+
+
+def _worker_store(store):
+    """The worker's own client of the job's store, counting what it asks."""
+    return counting(dist.TCPStore("127.0.0.1", store.port, is_master=False, timeout=timedelta(seconds=10)))
+
+
+def test_with_the_channel_a_new_generation_wakes_the_waiters_without_a_store_request(store, channel):
+    _, mirror = channel
+    own = _worker_store(store)
+    view, seen, got = JobView(own, TOKEN, channel=mirror), [], []
+    watch = Watch(lambda: pytest.fail("no store client with a channel"), None, seen.append, token=TOKEN,
+                  channel=mirror).start()
+    try:
+        _publish(store, 1)
+        assert wait_for_generation(view, 1, timeout_s=10) == _plan(1)
+        waiter = threading.Thread(target=lambda: got.append(wait_for_generation(view, 2, timeout_s=10)))
+        waiter.start()
+        time.sleep(0.3)
+        started = time.monotonic()
+        _publish(store, 2)
+        waiter.join(10)
+        assert got == [_plan(2)] and time.monotonic() - started < 1.0
+        wait_for(lambda: seen == [_plan(1), _plan(2)], 10, "the watch to hand on both plans")
+        assert own.requests == 0
+    finally:
+        watch.stop()
+
+
+def test_a_forged_value_in_the_channel_is_refused(store, channel):
+    relay, mirror = channel
+    _publish(store, 1)
+    said, seen = [], []
+    view = JobView(_worker_store(store), TOKEN, Refusals(lambda key, message: said.append(key)), channel=mirror)
+    watch = Watch(lambda: None, None, seen.append, token=TOKEN, channel=mirror).start()
+    try:
+        assert wait_for_generation(view, 1, timeout_s=10) == _plan(1)
+        # what a local process that reached the channel could inject: none of it is acted on
+        relay.channel.update({plan_key(2): Plan(2, 1, "failed", "forged", {0: "evil"}).to_json().encode(),
+                              plan_key(3): seal(TOKEN, plan_key(1), _plan(1).to_json()).encode(),  # moved
+                              spare_key("n0s0"): SpareAssignment(0, 2).to_json().encode()})
+        with pytest.raises(TimeoutError):
+            wait_for_generation(view, 2, timeout_s=0.3)
+        assert view.assignment("n0s0") is None and view.generation() == 1
+        assert {plan_key(2), plan_key(3), spare_key("n0s0")} <= set(said)
+        time.sleep(0.2)
+        assert seen == [_plan(1)]
+        _publish(store, 2, state="failed")  # the controller's own, forwarded over the forgery
+        assert wait_for_generation(view, 2, timeout_s=10) == _plan(2, state="failed")
+        wait_for(lambda: seen == [_plan(1), _plan(2, state="failed")], 10, "the genuine plan")
+    finally:
+        watch.stop()
+
+
+def test_with_the_channel_a_spare_waits_for_its_genuine_assignment(store, channel):
+    _, mirror = channel
+    got = []
+    view = JobView(_worker_store(store), TOKEN, channel=mirror)
+    waiter = threading.Thread(target=lambda: got.append(wait_for_assignment(view, "n0s0")))
+    waiter.start()
+    _publish(store, 1)
+    store.set(spare_key("n0s0"), SpareAssignment(0, 1).to_json())  # unsealed
+    plan = Plan(2, 2, "running", "", {0: "r0.0", 1: "spare.n0s0"})
+    sealing(store.set, TOKEN)(plan_key(2), plan.to_json())
+    sealing(store.set, TOKEN)(GENERATION_KEY, "2")
+    time.sleep(0.3)
+    assert got == []
+    sealing(store.set, TOKEN)(spare_key("n0s0"), SpareAssignment(1, 2).to_json())
+    waiter.join(10)
+    assert got == [(1, 2)] and view.store.requests == 0
+
+
+def test_with_the_channel_the_arrival_barrier_blocks_and_wakes_at_once(store, channel):
+    _, mirror = channel
+    _publish(store, 1)
+    outcome = []
+
+    def arrive_and_tell(generation: int, world: int) -> None:
+        view = JobView(_worker_store(store), TOKEN, channel=mirror)
+        try:
+            arrive(view, generation, world)
+            outcome.append(("formed", view.store.requests))
+        except Exception as e:
+            outcome.append((type(e).__name__, view.store.requests))
+
+    ranks = [threading.Thread(target=arrive_and_tell, args=(1, 2)) for _ in range(2)]
+    for rank in ranks:
+        rank.start()
+    for rank in ranks:
+        rank.join(10)
+    assert [o for o, _ in outcome] == ["formed", "formed"]
+    assert all(n <= 4 for _, n in outcome)  # add, then wait and get (the last one: compare_set): no polling
+
+    outcome.clear()
+    alone = threading.Thread(target=arrive_and_tell, args=(2, 2))  # its peer died: it waits alone
+    _publish(store, 2)
+    alone.start()
+    time.sleep(0.5)
+    started = time.monotonic()
+    _publish(store, 3)  # the relay ends generation 2's barrier
+    alone.join(10)
+    assert outcome[0][0] == "Superseded" and time.monotonic() - started < 1.0  # not a slice of 2 s later
+
+    outcome.clear()
+    _publish(store, 4)
+    sealing(store.set, TOKEN)(FINISHED_KEY, "9")  # the others finished instead of forming generation 4
+    late = JobView(_worker_store(store), TOKEN, channel=mirror)
+    with pytest.raises(JobFinished):
+        arrive(late, 4, 2, slice_s=0.2)

@@ -144,7 +144,9 @@ def test_a_replaced_process_of_an_old_generation_is_fenced_out(job_env, tmp_path
     """A process that still believes it holds rank 1 of generation 1 (as after a partition) tries
     to rejoin after a spare took rank 1: it must exit, and the job must not notice."""
     log_dir = tmp_path / "logs"
-    cfg = config(spares=1, steps=150)  # long enough to still run when the stale process arrives
+    # long enough to still run when the stale process arrives, which on a loaded 2-core machine takes
+    # 20+ s to import torch (at 150 steps the job had finished and the stale process waited for nothing)
+    cfg = config(spares=1, steps=600)
     kill = [{"at_step": 2, "phase": "allreduce", "kind": "kill", "rank": 1}]
     job = subprocess.Popen(job_command(cfg, str(log_dir)), env={**os.environ, **job_env, "HP_FAULTS": json.dumps(kill)},
                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
@@ -155,7 +157,7 @@ def test_a_replaced_process_of_an_old_generation_is_fenced_out(job_env, tmp_path
         stale = dict(x.split("=", 1) for x in Path(f"/proc/{rank2}/environ").read_text().split("\0") if "=" in x)
         stale.update({"RANK": "1", "LOCAL_RANK": "1", "HP_HOLDER": "r1.0", "HP_GENERATION": "1", "HP_FAULTS": "",
                       "HP_HEARTBEAT_FILE": "", "HP_LOG_DIR": str(tmp_path / "stale")})
-        out = subprocess.run([sys.executable, "-m", "hp.checkpointless.demo.train", "--steps", "150",
+        out = subprocess.run([sys.executable, "-m", "hp.checkpointless.demo.train", "--steps", "600",
                               "--corpus-mb", "2"], env=stale, capture_output=True, text=True, timeout=120)
         assert out.returncode != 0
         assert re.search(r"fenced out: rank 1 of generation \d+ is held by 'spare.n0s0'", out.stderr), out.stderr[-3000:]
@@ -164,7 +166,7 @@ def test_a_replaced_process_of_an_old_generation_is_fenced_out(job_env, tmp_path
         if job.poll() is None:
             job.kill()
     result = RunResult(0, 0.0, read_events(str(log_dir / "events")), "")
-    assert sorted(result.losses()) == list(range(150))
+    assert sorted(result.losses()) == list(range(600))
     assert all(len(v) == 1 for v in result.losses().values())  # nothing committed twice
 
 

@@ -25,6 +25,7 @@ from hp.checkpointless.registry import TrainingState
 from hp.checkpointless.transaction import StepTransaction
 from hp.core.control_plane import ControlClient
 from hp.core.errors import ControlPlaneError
+from hp.core.fanout import Mirror
 from hp.core.protocol import RESIZES, STATE_NBYTES_KEY, Event, FailureAction, JobState, Plan, Verb
 from hp.core.signed_values import Refusals, sealing
 
@@ -34,10 +35,11 @@ EXIT_ESCALATED = 75  # EX_TEMPFAIL: this rank keeps failing; the agent replaces 
 class Formation:
     def __init__(self, *, rank: int, spare_id: str | None, node_rank: int, holder: str, store: dist.Store,
                  token: str, controller: ControlClient, machine: RecoveryMachine, link: GroupLink, events: EventLog,
-                 fire: Callable[[int, str], None], refusals: Refusals | None = None) -> None:
+                 fire: Callable[[int, str], None], refusals: Refusals | None = None,
+                 channel: Mirror | None = None) -> None:
         self.rank, self.spare_id, self.node_rank, self.holder = rank, spare_id, node_rank, holder
         self._store, self._controller, self._machine, self._link = store, controller, machine, link
-        self._view = membership.JobView(store, token, refusals)  # the sealed values this process acts on
+        self._view = membership.JobView(store, token, refusals, channel)  # the sealed values this process acts on
         self._publish = sealing(store.set, token)
         self._events, self._fire = events, fire
         self._agree: torch.Tensor | None = None  # kept referenced: see group.py
@@ -162,7 +164,7 @@ class Formation:
         self.rank = rank  # scale events renumber ranks: a process is known by its holder id
         self._machine.forming(plan.generation)
         membership.arrive(self._view, plan.generation, plan.world_size)
-        self._link.form(self.rank, plan.world_size, plan.generation)
+        self._link.form(self.rank, plan.world_size, plan.generation, plan.forming_store)
         self._events.record(Event.PG_READY, generation=plan.generation, rank=self.rank)
         if st.factories is not None:
             st.build_optimizer()

@@ -7,6 +7,11 @@ a :class:`JobView`: a forged one is refused and read as absent, so a store write
 can delay the job at most, never steer or stop it. Background threads beat the heartbeat file the agent uses to detect hangs and abort
 the process group as soon as a newer generation appears, which releases a rank blocked in a
 collective whose peer is gone.
+
+Under ``hp run`` the generation, the plans and the spare assignments come from the node's channel
+(:mod:`hp.core.fanout`: the agent's one watcher of the store forwards them, sealed as they are) and every
+wait blocks on it: a rank sends the store no request while it waits for a generation. Without a channel
+(a worker started without an agent) they are read from the store, polling.
 """
 
 from __future__ import annotations
@@ -19,11 +24,15 @@ from datetime import timedelta
 
 import torch.distributed as dist
 
+from hp.core.fanout import Mirror, forwarded
 from hp.core.protocol import (
-    FINISHED_KEY, GENERATION_KEY, STATE_NBYTES_KEY, Plan, ProtocolError, SpareAssignment, arrive_prefix, plan_key,
-    spare_key,
+    ARRIVE_OUTCOME, FINISHED_KEY, GENERATION_KEY, STATE_NBYTES_KEY, ArriveOutcome, Plan, ProtocolError,
+    SpareAssignment, arrive_prefix, plan_key, spare_key,
 )
 from hp.core.signed_values import Refusals, unseal
+
+ARRIVE_SLICE_S = 2.0  # with a channel: a rank blocked in the arrival barrier looks whether the job finished this often
+WATCH_WAKE_S = 5.0  # with a channel: the watch thread re-waits this often (a change or a stop wakes it at once)
 
 
 class Superseded(RuntimeError):
@@ -41,22 +50,30 @@ class JobView:
     reported to ``refusals`` (rate limited: a warning, an event) and read as absent, so every reader
     goes on waiting for the genuine one. :meth:`generation` never goes back below one it returned (an
     old genuine value replayed into the key), and does without the generation key when it cannot be
-    trusted. The last verified raw value of each key is remembered: the watch thread reads the
-    generation every 10 ms, and only a changed value is verified again."""
+    trusted. The last verified raw value of each key is remembered: only a changed value is verified again.
 
-    def __init__(self, store: dist.Store, token: str, refusals: Refusals | None = None) -> None:
+    With the node's ``channel`` (:class:`hp.core.fanout.Mirror`) the keys it forwards are read from it,
+    the rest from ``store`` (None: a reader of the forwarded keys only)."""
+
+    def __init__(self, store: dist.Store | None, token: str, refusals: Refusals | None = None,
+                 channel: Mirror | None = None) -> None:
         if not token:
             raise ValueError("reading the job's store needs the job token (HP_JOB_TOKEN)")
-        self.store, self._token = store, token
+        self.store, self._token, self.channel = store, token, channel
         self.refusals = refusals if refusals is not None else Refusals()
         self._generation = 0
         self._verified: dict[str, tuple[bytes, str]] = {}
 
     def value(self, key: str) -> str | None:
         """The genuine value at ``key``; None if there is none, or if it is refused."""
-        if not self.store.check([key]):
+        if self.channel is not None and forwarded(key):
+            raw = self.channel.get(key)
+            if raw is None:
+                return None
+        elif not self.store.check([key]):
             return None
-        raw = self.store.get(key)
+        else:
+            raw = self.store.get(key)
         known = self._verified.get(key)
         if known is not None and known[0] == raw:
             return known[1]
@@ -85,7 +102,19 @@ class JobView:
         number. So where the key is absent, refused (forged), replayed (lower than one seen before) or
         behind ``expected`` (a generation the caller knows is due: a stale value replayed to a fresh
         reader), the plans are read from there on: one more store read while the key cannot be trusted
-        or while waiting for a generation, none on the watch thread's usual path."""
+        or while waiting for a generation, none on the watch thread's usual path.
+
+        With the node's channel, which holds the newest plans and lists them, the newest genuine one is
+        the generation: no key is needed."""
+        if self.channel is not None:
+            forwarded_plans = (k.removeprefix("hp/plan/") for k in self.channel.keys("hp/plan/"))
+            for g in sorted((int(n) for n in forwarded_plans if n.isdigit()), reverse=True):
+                if g <= self._generation:
+                    break
+                if self.plan(g) is not None:
+                    self._generation = g
+                    break
+            return self._generation
         hint = self._parsed(GENERATION_KEY, _count)
         if hint is not None and hint >= self._generation:
             self._generation = hint
@@ -118,6 +147,18 @@ class JobView:
         """The size of a full hydration, once rank 0 published it."""
         return self._parsed(STATE_NBYTES_KEY, _count)
 
+    def changes(self) -> int:
+        """How many times the node's channel changed (0 without one): what :meth:`pause` waits past."""
+        return self.channel.version if self.channel is not None else 0
+
+    def pause(self, since: int, poll_s: float, longest_s: float) -> None:
+        """Between two reads of the same values: block until the node's channel changed since ``since``
+        (``longest_s`` at most); without a channel, sleep ``poll_s`` (the reads poll the store)."""
+        if self.channel is None:
+            time.sleep(poll_s)
+        else:
+            self.channel.wait(since, longest_s)
+
 
 def _count(value: str) -> int:
     got = int(value)
@@ -134,6 +175,7 @@ def wait_for_generation(view: JobView, minimum: int, poll_s: float = 0.005,
     start = time.monotonic()
     slow_called = False
     while True:
+        seen = view.changes()
         latest = view.generation(minimum)
         plan = view.plan(latest) if latest >= minimum else None
         if plan is not None:  # a refused plan is waited out like a missing one
@@ -144,7 +186,8 @@ def wait_for_generation(view: JobView, minimum: int, poll_s: float = 0.005,
             on_slow()
         if waited > timeout_s:
             raise TimeoutError(f"no generation >= {minimum} published within {timeout_s:.0f} s")
-        time.sleep(poll_s)
+        due = slow_after_s if on_slow is not None and not slow_called else timeout_s
+        view.pause(seen, poll_s, max(due - waited, 0.0) + 0.001)
 
 
 def wait_for_assignment(view: JobView, spare: str, poll_s: float = 0.005,
@@ -153,26 +196,54 @@ def wait_for_assignment(view: JobView, spare: str, poll_s: float = 0.005,
     ``on_idle(view)`` runs every ``idle_every_s`` meanwhile (preparation that must not delay a promotion
     by more than one call). A refused assignment is waited out like a missing one."""
     last_idle = 0.0
-    while (assignment := view.assignment(spare)) is None:
+    while True:
+        seen = view.changes()
+        if (assignment := view.assignment(spare)) is not None:
+            return assignment.rank, assignment.generation
         if on_idle is not None and time.monotonic() - last_idle >= idle_every_s:
             on_idle(view)
             last_idle = time.monotonic()
-        time.sleep(poll_s)
-    return assignment.rank, assignment.generation
+        view.pause(seen, poll_s, idle_every_s)
 
 
-def arrive(view: JobView, generation: int, world_size: int, poll_s: float = 0.002) -> None:
+def arrive(view: JobView, generation: int, world_size: int, poll_s: float = 0.002,
+           slice_s: float = ARRIVE_SLICE_S) -> None:
     """Barrier of one generation on the store, abandoned (``Superseded``) if a newer generation
-    appears: only then is the process group initialised, so init never waits on a dead rank."""
-    prefixed = dist.PrefixStore(arrive_prefix(generation), view.store)
-    prefixed.add("count", 1)
-    while prefixed.add("count", 0) < world_size:
-        if view.generation() > generation:
-            raise Superseded(f"generation {generation} superseded while forming")
-        finished = view.finished()
-        if finished is not None:
-            raise JobFinished(f"the job finished at step {finished} before generation {generation} formed")
-        time.sleep(poll_s)
+    appears: only then is the process group initialised, so init never waits on a dead rank.
+
+    With the node's channel, ranks block on the barrier's outcome (:class:`ArriveOutcome`), set by the
+    rank that arrives last, or by a relay once a newer plan is published; every ``slice_s`` a rank also
+    looks whether the job finished. Without one, ranks poll the counter every ``poll_s``."""
+    barrier = dist.PrefixStore(arrive_prefix(generation), view.store)
+    arrived = barrier.add("count", 1)
+    if view.channel is None:
+        while barrier.add("count", 0) < world_size:
+            _left_behind(view, generation)
+            time.sleep(poll_s)
+        return
+    if arrived >= world_size:
+        barrier.compare_set(ARRIVE_OUTCOME, "", ArriveOutcome.FORMED.value)
+    while True:
+        seen = view.changes()
+        try:
+            barrier.wait([ARRIVE_OUTCOME], timedelta(seconds=slice_s))
+            outcome = barrier.get(ARRIVE_OUTCOME)
+        except dist.DistStoreError:  # not decided yet
+            outcome = None
+        if outcome == ArriveOutcome.FORMED.value.encode():
+            return
+        _left_behind(view, generation)
+        if outcome is not None:  # abandoned, and this node's relay has not forwarded the newer plan yet (or forged)
+            view.pause(seen, poll_s, slice_s)
+
+
+def _left_behind(view: JobView, generation: int) -> None:
+    """Raise if the barrier of ``generation`` can no longer complete: a newer generation, or the job finished."""
+    if view.generation() > generation:
+        raise Superseded(f"generation {generation} superseded while forming")
+    finished = view.finished()
+    if finished is not None:
+        raise JobFinished(f"the job finished at step {finished} before generation {generation} formed")
 
 
 class Watch:
@@ -184,10 +255,10 @@ class Watch:
     def __init__(self, connect: Callable[[], dist.Store], heartbeat_file: str | None,
                  on_superseded: Callable[[Plan], None], period_s: float = 0.01, beat_every_s: float = 0.1,
                  on_orphaned: Callable[[], None] | None = None, *, token: str,
-                 refusals: Refusals | None = None) -> None:
+                 refusals: Refusals | None = None, channel: Mirror | None = None) -> None:
         if not token:
             raise ValueError("watching the job's store needs the job token (HP_JOB_TOKEN)")
-        self._connect, self._heartbeat_file = connect, heartbeat_file
+        self._connect, self._heartbeat_file, self._channel = connect, heartbeat_file, channel
         self._token, self._refusals = token, refusals if refusals is not None else Refusals()
         self._on_superseded, self._on_orphaned = on_superseded, on_orphaned
         self._parent = os.getppid()  # the agent: a worker whose agent died is re-parented
@@ -219,6 +290,9 @@ class Watch:
                 return
 
     def _watch_loop(self) -> None:
+        if self._channel is not None:
+            self._watch_channel()
+            return
         view = None  # its own connection: store clients are not shared across threads
         seen = 0
         while not self._stop.wait(self._period):
@@ -234,10 +308,24 @@ class Watch:
                 if self._stop.is_set():
                     return
 
+    def _watch_channel(self) -> None:
+        """The same, from the node's channel: block until it changes (or :meth:`stop`); no store request."""
+        view, seen = JobView(None, self._token, self._refusals, self._channel), 0
+        while not self._stop.is_set():
+            version = self._channel.version
+            latest = view.generation()
+            plan = view.plan(latest) if latest > seen else None
+            if plan is not None:
+                self._on_superseded(plan)
+                seen = latest
+            self._channel.wait(version, WATCH_WAKE_S, self._stop)
+
     def stop(self) -> None:
         """Stop beating and remove the heartbeat file: a process that left the step loop (and
         may take a while to exit) is no longer watched for hangs."""
         self._stop.set()
+        if self._channel is not None:
+            self._channel.poke()
         for thread in self._threads:
             if thread.is_alive():
                 thread.join(timeout=2)

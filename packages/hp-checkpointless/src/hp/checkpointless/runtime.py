@@ -38,6 +38,7 @@ from hp.core.auth import TOKEN_ENV
 from hp.core.benchmeta import pin_to_core
 from hp.core.control_plane import ControlClient
 from hp.core.errors import UsageError
+from hp.core.fanout import Mirror
 from hp.core.plugins import get_backend
 from hp.core.protocol import FINISHED_KEY, Event, Plan
 from hp.core.signed_values import Refusals, sealing
@@ -97,6 +98,7 @@ class Context:
             raise UsageError(f"hp.checkpointless needs the job token in {TOKEN_ENV} (`hp run` sets it)")
         self._transport = get_backend("transport", env.get("HP_TRANSPORT", "gloo"))
         self._store = membership.connect_store(*store_addr)
+        self._channel = Mirror.from_env(env)  # the node's relay of the membership (hp.core.fanout); None without
         log_dir = env.get("HP_LOG_DIR")
         self.events = EventLog(os.path.join(log_dir, "events") if log_dir else None,
                                f"rank{rank}" if spare_id is None else f"spare-{spare_id}")
@@ -108,8 +110,10 @@ class Context:
         self._formation = Formation(
             rank=rank, spare_id=spare_id, node_rank=int(env.get("HP_NODE_RANK", "0")), holder=env.get("HP_HOLDER", ""),
             store=self._store, token=token, controller=ControlClient(env.get("HP_CONTROLLER", ""), token,
-                                                                           node=env.get("HP_NODE_RANK", "0")),
-            machine=self._machine, link=self._link, events=self.events, fire=self._phase, refusals=refusals)
+                                                                           node=env.get("HP_NODE_RANK", "0"),
+                                                                           follow=self._follow(env, token)),
+            machine=self._machine, link=self._link, events=self.events, fire=self._phase, refusals=refusals,
+            channel=self._channel)
         self._training: TrainingState | None = None
         self._tx: StepTransaction | None = None
         self._step: Step | None = None
@@ -124,7 +128,7 @@ class Context:
             signal.signal(INTERRUPT_SIGNAL, self._interrupt)
         self._watch = membership.Watch(lambda: membership.connect_store(*store_addr), env.get("HP_HEARTBEAT_FILE"),
                                        self._on_generation, on_orphaned=self._orphaned, token=token,
-                                       refusals=refusals).start()
+                                       refusals=refusals, channel=self._channel).start()
 
     # ---- identity and registered objects ----------------------------------------------------
     @property
@@ -386,6 +390,15 @@ class Context:
         if self._machine.observe(plan.generation, plan.at_boundary) and self._can_interrupt:
             signal.pthread_kill(threading.main_thread().ident, INTERRUPT_SIGNAL)
 
+    def _follow(self, env: dict, token: str):
+        """HA controller (``hp run --store etcd``): where reports go when the controller moves to
+        another replica (:class:`hp.core.leader.LeaderResolver` on this process's store); else None."""
+        if not env.get("HP_CONTROLLER_HA"):
+            return None
+        from hp.core.leader import LeaderResolver
+
+        return LeaderResolver(self._store, token).wait_for_other
+
     def _refused(self, key: str, message: str) -> None:
         """A store value not sealed for its key was read (any thread): ignored, said at most every 30 s per key."""
         self.events.record(Event.STORE_VALUE_REFUSED, rank=self._formation.rank, key=key, error=message[:300])
@@ -411,6 +424,8 @@ class Context:
         if self._machine.state is not RankState.CLOSED:
             self._machine.to(RankState.CLOSED)
         self._watch.stop()
+        if self._channel is not None:
+            self._channel.close()
         self._link.close()
         self.events.close()
 

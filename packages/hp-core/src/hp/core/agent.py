@@ -34,6 +34,7 @@ from hp.core.config import RunConfig
 from hp.core.control_plane import ControlClient, ControlServer
 from hp.core.controller import Controller, ControllerConfig
 from hp.core.errors import ControlPlaneError, HpError
+from hp.core.fanout import Relay
 from hp.core.plugins import get_backend, load_scaler
 from hp.core.protocol import EXIT_PREEMPTED, SCALING_POLICY_ENV, FailureAction, JobState, Verb, spare_holder, spare_id, worker_holder
 from hp.core.rescale import ElasticController
@@ -114,6 +115,9 @@ class Agent:
         self.spares: list[Worker] = []  # started, waiting to be given a rank
         self._server: ControlServer | None = None
         self._store: StoreServer | None = None
+        self._replica = None  # HA: this node's hp.core.leader.ControllerReplica
+        self._forming: StoreServer | None = None  # HA: the TCPStore this node hosts for forming process groups
+        self._relay: Relay | None = None  # forwards the membership to this node's workers (hp.core.fanout)
         self._done_reported = False
         self._last_ok = time.monotonic()  # send time of the last request the controller answered
         self._address = ""  # this node's address as the controller sees it
@@ -131,6 +135,9 @@ class Agent:
             client = self._connect()
             assignment = self._rendezvous(client)
             self._start_services(client, assignment)
+            self._relay = Relay(lambda: self.store_backend.connect(assignment.store_host, assignment.store_port,
+                                                                   job=self.cfg.run_id),
+                                self.token, self.cfg.node_rank, assignment.generation, log=say).start()
             self._start_workers(assignment)
             if (self.cfg.replenish_spares and self.cfg.spares) or self.cfg.scaling_policy is not None:
                 # replacements (and, elastic, the new process of a rank the job shrank without) are
@@ -164,15 +171,23 @@ class Agent:
             return 1
         finally:
             self._stop_workers(signal.SIGTERM)
+            if self._relay is not None:
+                self._relay.stop()
             self.services.stop()
             if self._server:
                 self._server.stop()
             if self._store:
                 self._store.close()
+            if self._replica is not None:
+                self._replica.stop()  # releases the lease if it leads: a standby takes over at once
+            if self._forming is not None:
+                self._forming.close()
             for s, handler in previous.items():
                 signal.signal(s, handler)
 
     def _connect(self) -> ControlClient:
+        if self.cfg.ha:
+            return self._join_replicas()
         if self.cfg.hosts_controller:
             self._host_controller()
             self._address = self.cfg.controller_endpoint.host
@@ -185,21 +200,50 @@ class Agent:
 
     def _host_controller(self) -> None:
         ep = self.cfg.controller_endpoint
-        scaler = self.scaler
         self._store = self.store_backend.serve(ep.host, 0)
+        publish = sealing(self._store.store.set, self.token)  # workers refuse values not sealed with the token
+        controller = self._new_controller(self._store.host, self._store.port, publish)
+        self._server = ControlServer(controller, self.token, ep.host, ep.port).start()
+
+    def _new_controller(self, store_host: str, store_port: int, publish, persist=None) -> Controller:
         config = ControllerConfig(
             nnodes=self.cfg.nnodes,
             max_nodes=self.cfg.max_nnodes,
             max_restarts=self.cfg.max_restarts,
             heartbeat_timeout_s=self.cfg.heartbeat_timeout_s,
-            store_host=self._store.host,
-            store_port=self._store.port,
+            store_host=store_host,
+            store_port=store_port,
             decision_log=os.path.join(self.log_dir, "controller_decisions.jsonl"),
         )
-        publish = sealing(self._store.store.set, self.token)  # workers refuse values not sealed with the token
-        controller = (Controller(config, publish=publish) if scaler is None
-                      else ElasticController(config, scaler, publish=publish))
-        self._server = ControlServer(controller, self.token, ep.host, ep.port).start()
+        if self.scaler is None:
+            return Controller(config, publish=publish, persist=persist)
+        return ElasticController(config, self.scaler, publish=publish, persist=persist)
+
+    def _join_replicas(self) -> ControlClient:
+        """HA: start this node's controller replica (hp.core.leader) and reach whichever replica leads."""
+        from hp.core.etcd_store import DEFAULT_PORT, parse_endpoints
+        from hp.core.leader import ControllerReplica, LeaderResolver
+
+        endpoints = self.cfg.store_endpoint
+        self._address = local_address(*parse_endpoints(endpoints)[0])
+        # the controller names one live node's store per generation for its ranks to form their group on:
+        # as fast as a TCPStore, hosted by no rank, and another node's once this one is lost
+        self._forming = get_backend("store", "tcp").serve(self._address or "127.0.0.1", 0)
+        store = self.store_backend.connect(endpoints, DEFAULT_PORT, job=self.cfg.run_id)
+        own = self.store_backend.connect(endpoints, DEFAULT_PORT, job=self.cfg.run_id)  # the replica's thread's
+        self._replica = ControllerReplica(
+            own, self.token, lambda persist: self._new_controller(endpoints, DEFAULT_PORT, sealing(own.set, self.token),
+                                                                  persist),
+            host=self._address or "127.0.0.1", port=self.cfg.controller_port, node=self.cfg.node_rank,
+            ttl_s=self.cfg.controller_lease_s, say=say).start()
+        resolver = LeaderResolver(store, self.token)
+        endpoint = resolver.wait_for_other("", time.monotonic() + self.cfg.rdzv_timeout_s)
+        if endpoint is None:
+            raise JobFailed(f"no controller was elected within {self.cfg.rdzv_timeout_s:g} s (etcd at {endpoints})")
+        say(f"controller elected among the agents, now at {endpoint} (etcd at {endpoints}, job {self.cfg.run_id}); "
+            f"logs in {self.log_dir}")
+        self._client = ControlClient(endpoint, self.token, node=self.cfg.node_rank, follow=resolver.wait_for_other)
+        return self._client
 
     def _call_until(self, client: ControlClient, verb: Verb, payload: dict, done, what: str) -> dict:
         """Retry ``verb`` until ``done(answer)`` or the rendezvous timeout; unreachable is retried."""
@@ -220,7 +264,9 @@ class Agent:
     def _rendezvous(self, client: ControlClient) -> Assignment:
         me = {"node_rank": self.cfg.node_rank}
         self._call_until(client, Verb.JOIN, {**me, "nproc": self.cfg.nproc_per_node, "spares": self.cfg.spares,
-                                              "host": socket.gethostname(), "address": self._address},
+                                              "host": socket.gethostname(), "address": self._address,
+                                              **({"forming_store": f"{self._forming.host}:{self._forming.port}"}
+                                                 if self._forming is not None else {})},
                          lambda a: True, "joining the controller")
         a = self._call_until(client, Verb.RENDEZVOUS, me, lambda a: a["state"] != JobState.RENDEZVOUS, "rendezvous")
         if a["state"] != JobState.RUNNING:
@@ -239,7 +285,8 @@ class Agent:
             return
         node = NodeContext(run_id=self.cfg.run_id, node_rank=self.cfg.node_rank, nnodes=self.cfg.nnodes,
                            address=self._address, log_dir=self.log_dir, token=self.token)
-        store = None if self.cfg.nnodes == 1 else self.store_backend.connect(a.store_host, a.store_port)
+        store = None if self.cfg.nnodes == 1 else self.store_backend.connect(a.store_host, a.store_port,
+                                                                              job=self.cfg.run_id)
 
         def keep_alive() -> None:  # while waiting for the other nodes' services: stay a live node
             if self._call(client, Verb.HEARTBEAT, {})["state"] == JobState.FAILED:
@@ -299,12 +346,16 @@ class Agent:
             auth.TOKEN_ENV: self.token,
             "HP_TRANSPORT": self.transport.name,
             "HP_STORE": self.store_backend.name,
+            "HP_STORE_JOB": self.cfg.run_id,  # the job's keys in a store many jobs share (etcd)
+            "HP_CONTROLLER_HA": "1" if self.cfg.ha else "",  # follow the controller when another replica leads
             "HP_NODE_RANK": str(self.cfg.node_rank),
             "HP_RUN_ID": self.cfg.run_id,
             "HP_LOG_DIR": self.log_dir,
             "HP_HEARTBEAT_FILE": w.heartbeat_file,
             "HP_HOLDER": w.holder,
         })
+        if self._relay is not None:
+            env.update(self._relay.env())
         if self.cfg.scaling_policy is not None:
             env[SCALING_POLICY_ENV] = os.path.abspath(self.cfg.scaling_policy)
         return env
@@ -315,6 +366,8 @@ class Agent:
         return {}
 
     def _client_endpoint(self) -> str:
+        if self._client is not None and self.cfg.ha:
+            return self._client.endpoint  # the leader this agent last reached
         return self._server.endpoint if self._server else str(self.cfg.controller_endpoint)
 
     def _stop_workers(self, sig: signal.Signals) -> None:
@@ -386,10 +439,9 @@ class Agent:
             sent = time.monotonic()
             # no request may outlast the lease: the fencing deadline holds even when packets vanish
             lease_left = self._last_ok + self.cfg.fence_after_s - sent
-            caller = ControlClient(client.endpoint, self.token, timeout_s=min(10.0, max(0.2, lease_left)),
-                                   node=self.cfg.node_rank)
             try:
-                answer = caller.call(verb, {**payload, "node_rank": self.cfg.node_rank, "generation": self.generation})
+                answer = client.call(verb, {**payload, "node_rank": self.cfg.node_rank, "generation": self.generation},
+                                     timeout_s=min(10.0, max(0.2, lease_left)))
                 self._last_ok = max(self._last_ok, sent)
                 return answer
             except ControlPlaneError as e:
