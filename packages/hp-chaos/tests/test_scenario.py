@@ -137,7 +137,7 @@ def test_each_kind_injects_in_process_or_from_outside():
 def test_hp_backends_lists_the_fault_family():
     faults = {b.name: b.dist for b in list_backends() if b.family == "fault"}
     assert faults == dict.fromkeys(["exception", "hang", "join", "kill", "loss", "node", "partition", "preempt", "slow",
-                                    "storage"], "hp-chaos")
+                                    "storage", "store"], "hp-chaos")
     out = subprocess.run([*HP, "backends"], capture_output=True, text=True, check=True).stdout
     assert any(line.split()[:3] == ["fault", "partition", "hp-chaos"] for line in out.splitlines())
 
@@ -178,7 +178,8 @@ def test_hp_chaos_run_rejects_a_malformed_file_in_one_line_with_exit_2(tmp_path,
 def test_hp_chaos_faults_documents_every_kind():
     out = subprocess.run([*HP, "chaos", "faults", "--json"], capture_output=True, text=True, check=True).stdout
     rows = {r["kind"]: r for r in __import__("json").loads(out)}
-    assert set(rows) == {"exception", "hang", "join", "kill", "loss", "node", "partition", "preempt", "slow", "storage"}
+    assert set(rows) == {"exception", "hang", "join", "kill", "loss", "node", "partition", "preempt", "slow", "storage",
+                         "store"}
     assert all(r["doc"] for r in rows.values())
     assert rows["kill"]["targets"] == ["rank", "spare", "controller"] and rows["kill"]["phase"] is True
     assert rows["storage"]["params"] == ["duration_s", "mode"]

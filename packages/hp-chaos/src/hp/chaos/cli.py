@@ -226,6 +226,8 @@ def _chaos_run(args: argparse.Namespace) -> int:
         summary = {k: result[k] for k in ("passed", "bitwise_equal", "lost_steps", "recovery_s", "goodput", "failures")}
         if "elastic" in result:  # an elastic job: how its world size went, and each scale event's pause
             summary.update({k: result["elastic"][k] for k in ("world_sizes", "pause_s")})
+        if result["job"].get("store") == "etcd":  # the agents elect the controller: each controller fault's failover
+            summary["failover_s"] = result["failover_s"]
         print(json.dumps({"name": result["name"], **summary, "result": out}), flush=True)
     return 0 if result["passed"] else 1
 

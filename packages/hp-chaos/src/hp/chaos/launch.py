@@ -10,6 +10,18 @@ An elastic job (``job.elastic``) is the same command with :mod:`hp.elastic.demo.
 script and ``--nnodes NODES:MAX_NODES --scaling-policy FILE`` (the policy written into the run's
 log directory); it gets a namespace per node it may ever have (``max_nodes``), so a node that
 joins later (a ``join`` fault: :meth:`Live.start_agent`) has its own address too.
+
+With ``job.store: etcd`` the runner starts a private etcd (:class:`hp.core.etcd_store.EtcdServer`)
+for the run, on loopback for one node or on the host's address on the namespaces' bridge
+(:meth:`hp.chaos.topology.Topology.host_address`: every node reaches it, no node's fault takes it
+down), and gives every agent ``--store etcd --rdzv-endpoint <etcd> --run-id <the run's id>``
+instead of a controller endpoint: the agents elect the controller among them. Each node's agent
+logs its own controller decisions (a new leader's ``controller_elected`` among them), so the run's
+decision log is every node's ``controller_decisions.jsonl`` merged by time (:func:`read_decisions`);
+the controller's process (a ``controller`` target) is the agent of the node the last
+``controller_elected`` names (node 0 before any), and the job's outcome is that agent's exit code.
+etcd is stopped when the run ends, however it ends; its log is kept as ``etcd.log`` in the run's
+log directory.
 """
 
 from __future__ import annotations
@@ -17,6 +29,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import time
@@ -30,13 +43,14 @@ from hp.chaos.scenario import JobSpec
 from hp.checkpointless.demo.run import DemoConfig, RunResult, job_command
 from hp.checkpointless.events import EventLog, read_events
 from hp.core import auth
-from hp.core.protocol import Event
+from hp.core.protocol import Decision, Event
 from hp.core.testing import HP, free_port, kill_tagged
 
 POLL_S = 0.02
 TAG_ENV = "HP_CHAOS_RUN"  # every process of a run inherits it: stragglers are found and killed by it
 FIXED_TRAIN, ELASTIC_TRAIN = "hp.checkpointless.demo.train", "hp.elastic.demo.train"
 POLICY_FILE = "policy.yaml"
+DECISIONS_FILE = "controller_decisions.jsonl"  # in each node's log directory (hp run --log-dir)
 
 
 def demo_config(job: JobSpec, spares: int | None = None, train_args: list[str] = ()) -> DemoConfig:
@@ -73,10 +87,15 @@ def write_policy(job: JobSpec, log_dir: str) -> tuple[str, list[str]]:
 
 
 def node_command(job: JobSpec, cfg: DemoConfig, log_dir: str, node: int, endpoint: str | None,
-                 policy: str | None = None) -> list[str]:
+                 policy: str | None = None, run_id: str | None = None) -> list[str]:
     """``hp run`` of one node: the demo's command with the job's agent flags added; an elastic job
-    (``policy``: its scaling policy file) runs the elastic demo script under that policy."""
+    (``policy``: its scaling policy file) runs the elastic demo script under that policy. With
+    ``job.store: etcd``, ``endpoint`` is the etcd's and ``run_id`` the job's id (the same on every node)."""
     flags = ["--heartbeat-timeout", str(job.heartbeat_timeout_s)]
+    if job.store == "etcd":
+        if not endpoint or not run_id:
+            raise ValueError("a job on the etcd store needs the etcd endpoint and a run id")
+        flags += ["--store", "etcd", "--run-id", run_id]
     if job.replenish_spares:
         flags.append("--replenish-spares")
     if job.controller == "standalone":
@@ -106,6 +125,40 @@ def controller_command(job: JobSpec, host: str, port: int, log_dir: str, policy:
             *(["--scaling-policy", policy] if policy else [])]
 
 
+def read_decisions(dirs: Sequence[str]) -> list[dict]:
+    """The job's controller decisions: every node's ``controller_decisions.jsonl`` (in each of
+    ``dirs``, the nodes' log directories) merged, oldest first. With the tcp store only the
+    controller's node has one; with etcd each leader logs into its own node's. A last line without
+    its newline (an agent SIGKILLed while writing it) is left out."""
+    decisions = []
+    for d in dirs:
+        path = os.path.join(d, DECISIONS_FILE)
+        if os.path.exists(path):
+            decisions += _read_new(path, {})
+    return sorted(decisions, key=lambda d: d["t"])  # a stable sort: one node's order is kept for equal times
+
+
+def leader_node(decisions: Sequence[dict]) -> int:
+    """The node whose agent leads the job after ``decisions``: the last ``controller_elected``
+    decision's ``node_rank``, or node 0 before any (the tcp store's controller node)."""
+    for d in reversed(decisions):
+        node = d.get("node_rank")
+        if d.get("decision") == Decision.CONTROLLER_ELECTED and (type(node) is int or str(node).isdigit()):
+            return int(node)  # (an integer; early HA builds wrote it as a string)
+    return 0
+
+
+def _read_new(path: str, offsets: dict[str, int]) -> list[dict]:
+    """The complete JSON lines appended to ``path`` since the last call (a line being written is
+    read next time)."""
+    with open(path) as f:
+        f.seek(offsets.get(path, 0))
+        chunk = f.read()
+    complete = chunk[:chunk.rfind("\n") + 1]
+    offsets[path] = offsets.get(path, 0) + len(complete.encode())
+    return [json.loads(line) for line in complete.splitlines() if line.strip()]
+
+
 class _Tail:
     """Incremental reader of a job's JSON-lines event files (one per process, appended to)."""
 
@@ -117,16 +170,28 @@ class _Tail:
         new = []
         for d in self.dirs:
             for name in sorted(os.listdir(d)) if os.path.isdir(d) else []:
-                path = os.path.join(d, name)
-                with open(path) as f:
-                    f.seek(self._offsets.get(path, 0))
-                    chunk = f.read()
-                complete = chunk[:chunk.rfind("\n") + 1]  # a line being written is read next time
-                self._offsets[path] = self._offsets.get(path, 0) + len(complete.encode())
-                new += [json.loads(line) for line in complete.splitlines() if line.strip()]
+                new += _read_new(os.path.join(d, name), self._offsets)
         new.sort(key=lambda e: e["t"])
         self.events += new
         return new
+
+
+class _DecisionTail:
+    """Incremental reader of the nodes' decision logs (``node_dirs``: the run's list, which a join
+    extends), merged by time like :func:`read_decisions`."""
+
+    def __init__(self, node_dirs: list[str]) -> None:
+        self.node_dirs, self.decisions = node_dirs, []
+        self._offsets: dict[str, int] = {}
+
+    def poll(self) -> None:
+        new = []
+        for d in self.node_dirs:
+            path = os.path.join(d, DECISIONS_FILE)
+            if os.path.exists(path):
+                new += _read_new(path, self._offsets)
+        if new:
+            self.decisions = sorted(self.decisions + new, key=lambda d: d["t"])
 
 
 @dataclass
@@ -141,6 +206,8 @@ class Live:
     spares_per_node: int = 1
     controller: subprocess.Popen | None = None  # a standalone `hp controller`, else node 0's agent hosts it
     starter: Callable[[int, str], subprocess.Popen] | None = None  # (node, log dir name) -> a new agent
+    etcd: Any = None  # job.store etcd: the run's hp.core.etcd_store.EtcdServer (the agents elect the controller)
+    decision_log: _DecisionTail | None = None  # the nodes' controller decisions (read with etcd only)
     _committed: int = -1
     _spares: dict[str, int] = field(default_factory=dict)
     _ranks: dict[int, tuple[int, float, int]] = field(default_factory=dict)  # rank -> (generation, t, pid)
@@ -150,6 +217,8 @@ class Live:
         self._node_agents.update(enumerate(self.agents))
 
     def update(self) -> None:
+        if self.decision_log is not None:
+            self.decision_log.poll()
         for e in self.tail.poll():
             if e["event"] == Event.COMMIT and e.get("rank") == 0:
                 self._committed = max(self._committed, e["step"])
@@ -170,8 +239,24 @@ class Live:
         per_node = max(1, self.spares_per_node)
         return self._spares.get(f"n{spare // per_node}s{spare % per_node}")
 
+    def decisions(self) -> list[dict]:
+        """The controller decisions logged so far (oldest first): read with the etcd store only."""
+        return self.decision_log.decisions if self.decision_log is not None else []
+
+    def leader(self) -> int:
+        """The node whose agent hosts the controller now: node 0, or with etcd the last one elected."""
+        return leader_node(self.decisions()) if self.etcd is not None else 0
+
     def controller_pid(self) -> int | None:
+        """The controller's process: the standalone controller, node 0's agent, or with etcd the
+        leading node's agent while it runs (None between its death and the next election)."""
+        if self.etcd is not None:
+            return self.agent_pid(self.leader())
         return (self.controller or self.agents[0]).pid
+
+    def outcome_agent(self) -> subprocess.Popen:
+        """The agent whose exit code is the job's: node 0's, or with etcd the last elected leader's."""
+        return self._node_agents.get(self.leader(), self.agents[0]) if self.etcd is not None else self.agents[0]
 
     def rank_pid(self, rank: int) -> int | None:
         """The process that holds ``rank`` in the newest generation its events show."""
@@ -202,6 +287,8 @@ class JobRun:
     action_errors: list[str]
     agent_returncodes: list[int] = field(default_factory=list)  # per agent: one per node, then joined ones
     agent_pids: list[int] = field(default_factory=list)  # the same agents' pids
+    decisions: list[dict] = field(default_factory=list)  # every node's controller decisions, oldest first
+    store: str = "tcp"  # the job's store (job.store)
 
 
 def run_job(job: JobSpec, log_dir: str, hp_faults: list[dict], actions: list[Action] = (),
@@ -230,6 +317,11 @@ def run_job(job: JobSpec, log_dir: str, hp_faults: list[dict], actions: list[Act
         node_dirs = [log_dir] if job.max_nodes == 1 else [os.path.join(log_dir, f"node{i}") for i in range(job.nodes)]
         host = topo.address(0) if topo else "127.0.0.1"
         endpoint = f"{host}:{free_port()}" if topo or job.controller == "standalone" or policy else None
+        etcd, run_id = None, None
+        if job.store == "etcd":  # every agent is a controller candidate; the store is etcd, outside every node
+            etcd = _start_etcd(stack, topo.host_address() if topo else "127.0.0.1", log_dir)
+            endpoint, run_id = etcd.endpoint, f"chaos-{tag[:12]}"
+            base_env.setdefault(auth.TOKEN_ENV, auth.new_token())  # one job token: a leader's state is sealed with it
         agents, controller = [], None
         start = time.monotonic()
         if job.controller == "standalone":
@@ -239,8 +331,8 @@ def run_job(job: JobSpec, log_dir: str, hp_faults: list[dict], actions: list[Act
             controller = topo.run_in(0, argv, base_env, **kw) if topo else subprocess.Popen(argv, env=base_env, **kw)
 
         def start_node(node: int, node_dir: str) -> subprocess.Popen:
-            return start_agent(topo, node, node_command(job, cfg, node_dir, node, endpoint, policy), base_env,
-                               stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+            return start_agent(topo, node, node_command(job, cfg, node_dir, node, endpoint, policy, run_id),
+                               base_env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
 
         def join(node: int, name: str) -> subprocess.Popen:  # a join fault: a new agent, its own log dir
             node_dirs.append(os.path.join(log_dir, name))
@@ -251,7 +343,7 @@ def run_job(job: JobSpec, log_dir: str, hp_faults: list[dict], actions: list[Act
             agents.append(start_node(i, node_dir))
         live = Live(agents, _Tail([os.path.join(d, "events") for d in node_dirs]),
                     EventLog(os.path.join(node_dirs[0], "events"), "chaos"), storage, topo, job.spares, controller,
-                    starter=join)
+                    starter=join, etcd=etcd, decision_log=_DecisionTail(node_dirs) if etcd is not None else None)
         try:
             timed_out, errors = _watch(live, list(actions), start + job.timeout_s)
         finally:
@@ -262,10 +354,32 @@ def run_job(job: JobSpec, log_dir: str, hp_faults: list[dict], actions: list[Act
         output = f.read()
     events = [e for d in node_dirs for e in read_events(os.path.join(d, "events"))]  # a joined node's too
     events.sort(key=lambda e: e["t"])
-    # the job's outcome is the controller's, i.e. node 0's agent's: another node may be lost on purpose
-    code = agents[0].returncode if not timed_out else 124
+    decisions = read_decisions(node_dirs)
+    if live.decision_log is not None:
+        live.decision_log.poll()  # the last decisions, for outcome_agent
+    # the job's outcome is the controller's: node 0's agent's (another node may be lost on purpose), or
+    # with etcd the last elected leader's (node 0's agent may be the one a fault killed)
+    code = live.outcome_agent().returncode if not timed_out else 124
     return JobRun(RunResult(code, wall, events, output), timed_out, orphans, errors,
-                  [a.returncode for a in agents], [a.pid for a in agents])
+                  [a.returncode for a in agents], [a.pid for a in agents], decisions, job.store)
+
+
+def _start_etcd(stack: contextlib.ExitStack, host: str, log_dir: str) -> Any:
+    """The run's private etcd on ``host``, stopped (its log copied into ``log_dir``) when ``stack``
+    closes, however the run ends."""
+    from hp.core.etcd_store import EtcdServer
+
+    # die_with_parent: a SIGKILLed runner leaves no etcd behind (it lives no longer than this call)
+    server = EtcdServer(host, workdir=log_dir, die_with_parent=True)
+
+    def stop() -> None:
+        with contextlib.suppress(OSError):
+            shutil.copyfile(server.log_path, os.path.join(log_dir, "etcd.log"))
+        server.stop()
+
+    stack.callback(stop)
+    server.start()  # stops (and cleans up) by itself if it fails
+    return server
 
 
 def _watch(live: Live, actions: list[Action], deadline: float) -> tuple[bool, list[str]]:

@@ -23,7 +23,7 @@ import subprocess
 import time
 import uuid
 
-from hp.chaos.launch import agent_flags, start_agent
+from hp.chaos.launch import agent_flags, read_decisions, start_agent
 from hp.chaos.topology import Topology
 from hp.checkpointless.demo.run import DemoConfig, RunResult, job_command
 from hp.checkpointless.events import read_events
@@ -114,11 +114,8 @@ class MultiNodeJob:
         return "\n".join(out)
 
     def decisions(self) -> list[dict]:
-        path = os.path.join(self.log_dir(0), "controller_decisions.jsonl")
-        if not os.path.exists(path):
-            return []
-        with open(path) as f:
-            return [json.loads(line) for line in f if line.strip()]
+        """Every node's controller decisions, oldest first (an HA job's leaders each log their own)."""
+        return read_decisions([self.log_dir(i) for i in range(self.topo.nodes)])
 
     def result(self) -> RunResult:
         rc = self.procs[0].poll()

@@ -43,7 +43,8 @@ def format_table(r: dict) -> str:
         rows.append(("step time (reference)", f"{r['step_time_s'] * 1000:.0f} ms"))
     rows += _elastic_rows(r.get("elastic"))
     for f in r["faults"]:
-        rows.append((f["fault"], ("recovery " + _secs(f["recovery_s"])) if f["fired"] else "NEVER FIRED"))
+        failover = f", failover {_secs(f['failover_s'])}" if f.get("failover_s") is not None else ""
+        rows.append((f["fault"], ("recovery " + _secs(f["recovery_s"]) + failover) if f["fired"] else "NEVER FIRED"))
         rows += [(f"  {name}", f"{secs * 1000:.0f} ms") for name, secs in f["phases"].items()]
     if r.get("orphans_killed"):
         rows.append(("orphans", f"{r['orphans_killed']} processes outlived their agent (killed by the harness)"))

@@ -24,6 +24,11 @@ slots are micro-batches, the same at any world size) and every rank's final stat
 optimizer: :func:`hp.checkpointless.demo.run.compare_state`) against the reference's: against the
 same rank, or rank 0's where the reference had no such rank (a grown job; every rank of a
 replicated job holds the same state, which ``compare_state`` checks too).
+
+**failover** (``job.store: etcd``, faults on ``controller``): seconds from the fault's injection to
+the next ``controller_elected`` decision of any node (:func:`hp.chaos.launch.read_decisions` merges
+the nodes' decision logs), per fault in ``faults[i].failover_s`` and as ``failover_s`` (one entry
+per fault, ``None`` for the others); ``controller_elections`` lists every election of the run.
 """
 
 from __future__ import annotations
@@ -35,7 +40,7 @@ import json
 import os
 import statistics
 import tempfile
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from typing import Any
 
 from hp.chaos import bench_goodput
@@ -45,7 +50,7 @@ from hp.chaos.launch import JobRun, run_job
 from hp.chaos.scenario import JobSpec, Scenario
 from hp.checkpointless.demo.run import (RunResult, compare, compare_state, differing_steps, final_states,
                                         recovery_timeline, step_time)
-from hp.core.protocol import Event
+from hp.core.protocol import Decision, Event
 
 
 class ReferenceCache:
@@ -84,7 +89,10 @@ class ReferenceCache:
 
 
 def _reference(job: JobSpec, log_dir: str, env: dict[str, str] | None) -> RunResult:
-    # no spares: a fault-free run never uses one, and the losses do not depend on it
+    # no spares: a fault-free run never uses one, and the losses do not depend on it; the default tcp
+    # store whatever the job's (nor do the losses depend on that): one reference per reference_key,
+    # whichever scenario ran it first, and an etcd job is held to the tcp store's bits
+    job = replace(job, store="tcp")
     with _checkpoint_storage(job, log_dir) as ck:
         run = run_job(job, log_dir, [], env=_env(env, ck), spares=0, train_args=ck.train_args if ck else ())
     return run.result
@@ -117,6 +125,8 @@ def run_scenario(scenario: Scenario, log_dir: str | None = None, cache: Referenc
                                                                     for f in scenario.faults):
         raise ValueError("a storage fault needs job.checkpoint (the runner then starts the S3 endpoint it "
                          "freezes) or a storage server passed in")
+    if scenario.job.store != "etcd" and any(f.target.kind == "store" for f in scenario.faults):
+        raise ValueError(f"a store fault pauses the job's etcd: it needs job.store: etcd, got {scenario.job.store!r}")
     root = log_dir or tempfile.mkdtemp(prefix=f"hp_chaos_{scenario.name}_")
     kinds = fault_kinds()
     hp_faults, actions = [], []
@@ -169,6 +179,21 @@ def goodput(faulted: RunResult, faults: list[tuple[float, float]]) -> float | No
     return bench_goodput.goodput([f["cost_s"] for f in aftermaths], end - start)
 
 
+def failover(elections: list[dict], t0: float | None) -> float | None:
+    """Seconds from ``t0`` (a fault's injection) to the first ``controller_elected`` decision at or
+    after it (``elections``: those decisions, oldest first); None when none followed."""
+    if t0 is None:
+        return None
+    return next((d["t"] - t0 for d in elections if d["t"] >= t0), None)
+
+
+def _election(d: dict) -> dict:
+    out = {k: d[k] for k in ("t", "epoch", "node_rank") if k in d}
+    if isinstance(out.get("node_rank"), str) and out["node_rank"].isdigit():
+        out["node_rank"] = int(out["node_rank"])  # early HA builds wrote it as text
+    return out
+
+
 def _floats(losses: dict[int, list[str]]) -> dict[str, list[float]]:
     return {str(s): [float.fromhex(x) for x in v] for s, v in sorted(losses.items())}
 
@@ -198,6 +223,10 @@ def evaluate(scenario: Scenario, reference: RunResult, run: JobRun, persisted: d
                        "t": injected[j]["t"] if j is not None else None,
                        "recovery_s": recovery if list(phases) == ["replay"] else entry["recovery_s"],
                        "phases": phases})
+    elections = [d for d in run.decisions if d.get("decision") == Decision.CONTROLLER_ELECTED]
+    for f, spec in zip(faults, scenario.faults):
+        f["failover_s"] = failover(elections, f["t"]) if run.store == "etcd" and spec.target.kind == "controller" \
+            else None
     recoveries = len({e["generation"] for e in events if e["event"] == Event.FAILURE_DETECTED})
     gp = goodput(faulted, [(f["t"], spec.params.get("duration_s") or 0.0)
                            for f, spec in zip(faults, scenario.faults) if f["t"] is not None])
@@ -246,6 +275,15 @@ def evaluate(scenario: Scenario, reference: RunResult, run: JobRun, persisted: d
                 got = "no commit after it" if f["recovery_s"] is None else f"{f['recovery_s']:.3f} s"
                 failures.append(f"max_recovery_s: faults[{i}] ({f['fault']}) expected <= {expect.max_recovery_s} s, "
                                 f"got {got}")
+    if expect.max_failover_s is not None:
+        for i, (f, spec) in enumerate(zip(faults, scenario.faults)):
+            if spec.target.kind != "controller" or not f["fired"]:
+                continue
+            if f["failover_s"] is None or f["failover_s"] > expect.max_failover_s:
+                got = "no controller_elected decision after it" if f["failover_s"] is None \
+                    else f"{f['failover_s']:.3f} s"
+                failures.append(f"max_failover_s: faults[{i}] ({f['fault']}) expected <= {expect.max_failover_s} s, "
+                                f"got {got}")
     if expect.min_goodput is not None and (gp is None or gp < expect.min_goodput):
         failures.append(f"min_goodput: expected >= {expect.min_goodput}, got {gp if gp is None else round(gp, 3)}")
     if expect.recoveries is not None and recoveries > expect.recoveries:
@@ -271,6 +309,7 @@ def evaluate(scenario: Scenario, reference: RunResult, run: JobRun, persisted: d
         **({"state_differences": state["state_differences"]} if state is not None else {}),
         "lost_steps": verdict["lost_steps"],
         "recovery_s": [f["recovery_s"] for f in faults],
+        "failover_s": [f["failover_s"] for f in faults],
         "goodput": gp,
         "failures": failures,
         "completed": completed,
@@ -284,6 +323,7 @@ def evaluate(scenario: Scenario, reference: RunResult, run: JobRun, persisted: d
         **({"persisted": persisted} if persisted is not None else {}),
         **({"elastic": {k: v for k, v in elastic.items() if k != "bitwise_equal"}} if elastic is not None else {}),
         "agent_returncodes": run.agent_returncodes,
+        **({"controller_elections": [_election(d) for d in elections]} if run.store == "etcd" else {}),
         "losses": {"reference": _floats(reference.losses()), "faulted": _floats(faulted.losses())},
         "t0": {"reference": _first_commit(reference), "faulted": _first_commit(faulted)},
         "expect": {k: v for k, v in asdict(expect).items() if v is not None},

@@ -25,6 +25,19 @@ faults:
   - {at_step: 4, kind: kill, target: "rank:1"}
 expect: {completes: true, bitwise_equal: true, world_sizes: [2, 1, 2], max_pause_s: 30}
 ```
+
+With ``job.store: etcd`` (default ``tcp``) the runner starts a private etcd (:class:`JobSpec`) and
+every agent is a controller candidate: a ``controller`` target is the agent of the node leading the
+job when the fault fires, a ``store`` fault pauses the etcd, and ``expect.max_failover_s`` bounds
+each controller fault's failover (the fault -> the next ``controller_elected`` decision)::
+
+```yaml
+name: controller-killed-etcd
+job: {nodes: 2, nproc_per_node: 1, spares: 1, steps: 12, store: etcd, heartbeat_timeout_s: 6.0}
+faults:
+  - {at_step: 6, kind: kill, target: controller}
+expect: {completes: true, bitwise_equal: true, lost_steps: 0, max_failover_s: 30}
+```
 """
 
 from __future__ import annotations
@@ -82,6 +95,9 @@ class JobSpec:
     max_restarts: int = 0  # process restarts per rank when no spare is left
     heartbeat_timeout_s: float = 30.0  # controller: a node silent this long is lost (hp run's default)
     controller: str = "agent"  # agent: hosted by node 0's agent | standalone: its own `hp controller` process
+    # tcp: the store is hosted with the controller | etcd: the runner starts a private etcd, every agent
+    # gets `--store etcd --rdzv-endpoint ETCD --run-id ID` and the agents elect the controller among them
+    store: str = "tcp"
     replenish_spares: bool = False  # agents start a new spare when one is promoted (hp run --replenish-spares)
     corpus_mb: int = 2
     timeout_s: float = 240.0  # a hang guard per job, not a measurement
@@ -96,10 +112,10 @@ class JobSpec:
     @property
     def shape(self) -> JobShape:
         return JobShape(self.nodes, self.nproc_per_node, self.spares, self.steps, self.elastic is not None,
-                        self.max_nodes, self.controller)
+                        self.max_nodes, self.controller, self.store)
 
     def reference_key(self) -> tuple:
-        """What the fault-free losses depend on (not spares, timeouts or restarts)."""
+        """What the fault-free losses depend on (not spares, timeouts, restarts or the store)."""
         ckpt = astuple(self.checkpoint) if self.checkpoint else None  # a restore could change the losses
         elastic = astuple(self.elastic) if self.elastic else None
         key = (self.nodes, self.nproc_per_node, self.steps, self.model, self.seed, self.corpus_mb, ckpt)
@@ -120,6 +136,7 @@ class Expect:
     persisted_step: int | None = None  # after the job: S3 holds a complete, verified checkpoint of it
     world_sizes: list[int] | None = None  # elastic: the distinct consecutive world sizes by step, e.g. [2, 1, 2]
     max_pause_s: float | None = None  # elastic: every scale event's pause (hp.elastic.demo.run.scale_events)
+    max_failover_s: float | None = None  # job.store etcd: every controller fault -> the next controller_elected
 
 
 @dataclass(frozen=True)
@@ -139,6 +156,7 @@ _MINIMUM = {"nodes": 1, "nproc_per_node": 1, "spares": 0, "steps": 2, "seed": 0,
 # a scenario drives real processes on one machine: sizes past these are typos, not tests
 _MAXIMUM = {"nodes": 16, "nproc_per_node": 64, "spares": 16, "max_nodes": 16, "steps": 1_000_000, "corpus_mb": 4096,
             "max_replicas": 1024, "max_restarts": 100}
+STORES = ("tcp", "etcd")  # job.store: what the runner can start (hp.chaos.launch)
 _SCALARS = {"bool": bool, "int": int, "float": float, "str": str}
 
 
@@ -202,6 +220,11 @@ def parse_scenario(raw: Any, source: str | None = None) -> Scenario:
 
     if job.controller not in ("agent", "standalone"):
         raise ScenarioError("job.controller", f"must be 'agent' or 'standalone', got {job.controller!r}")
+    if job.store not in STORES:
+        raise ScenarioError("job.store", f"must be one of {list(STORES)}, got {job.store!r}")
+    if job.store == "etcd" and job.controller == "standalone":
+        raise ScenarioError("job.store", "etcd elects the controller among the agents (every agent is a "
+                                         "candidate): it cannot be combined with job.controller: standalone")
     if job.model not in MODEL_SIZES:
         raise ScenarioError("job.model", f"must be one of {sorted(MODEL_SIZES)}, got {job.model!r}")
     raw_faults = raw.get("faults")
@@ -232,6 +255,7 @@ def parse_scenario(raw: Any, source: str | None = None) -> Scenario:
                                 f"job.checkpoint.persist_every={ckpt.persist_every} below job.steps={job.steps}), "
                                 f"got {expect.persisted_step}")
     _check_elastic_expect(expect, job)
+    _check_failover_expect(expect, job, specs)
     _check_joins(specs, job)
     if job.checkpoint is None:
         for spec in specs:
@@ -283,6 +307,19 @@ def _check_elastic_expect(expect: Expect, job: JobSpec) -> None:
         if bad:
             raise ScenarioError("expect.world_sizes", f"{bad} outside the policy's [min_replicas, max_replicas] = "
                                                       f"[{e.min_replicas}, {e.max_replicas}]")
+
+
+def _check_failover_expect(expect: Expect, job: JobSpec, specs: list[FaultSpec]) -> None:
+    if expect.max_failover_s is None:
+        return
+    if expect.max_failover_s <= 0:
+        raise ScenarioError("expect.max_failover_s", f"must be > 0, got {expect.max_failover_s}")
+    if job.store != "etcd":
+        raise ScenarioError("expect.max_failover_s", "needs job.store: etcd (a controller the agents elect; "
+                                                     f"with {job.store!r} nothing takes over)")
+    if not any(s.target.kind == "controller" for s in specs):
+        raise ScenarioError("expect.max_failover_s", "needs a fault on target controller (a failover is timed "
+                                                     "from such a fault to the next controller_elected decision)")
 
 
 def _check_joins(specs: list[FaultSpec], job: JobSpec) -> None:

@@ -10,11 +10,15 @@ Agreed API (used by hp-chaos scenarios and multi-node tests)::
         topo.loss(1, 0.05)                     # drop 5 % of packets to and from node 1
         topo.heal()                            # remove every partition and loss rule
         topo.kill_node(1)                      # SIGKILL every process in node 1's namespace at once
+        topo.host_address()                    # "10.213.7.254": the host's own address on the bridge
     # exit: every process in the namespaces is killed, namespaces, veths and bridge are deleted
 
 Each node is a namespace ``hpt-<owner pid>-<tag>-n<i>`` with a veth ``eth0`` (address ``.i+1`` of a
 random 10.x.y.0/24) plugged into a bridge ``hpt<tag>`` on the host. The random tag and subnet make
-two instances (``pytest -n 2``) independent. Fault rules are iptables rules inside the node
+two instances (``pytest -n 2``) independent. :meth:`Topology.host_address` gives the host an
+address on the bridge (``.254``, added on first use): a server the host runs there (the chaos
+runner's etcd) is reachable from every node and outside every node's failure domain, and node
+faults (partitions and loss act between node addresses) leave it alone. Fault rules are iptables rules inside the node
 namespaces, in a chain of their own, so deleting a namespace deletes its rules: nothing is ever
 added to the host's tables. Partitions and loss act on *incoming* packets (both sides get a rule):
 senders see no local error, exactly like a dead switch port. The kernel here has no ``tc netem``:
@@ -132,6 +136,7 @@ class Topology:
         self._names = [f"{PREFIX}-{os.getpid()}-{self.tag}-n{i}" for i in range(nodes)]
         self._procs: list[tuple[int, subprocess.Popen]] = []  # (node, process) started by run_in
         self._started = False
+        self._host_address = False  # host_address() put <subnet>.254 on the bridge
 
     # ---- lifecycle ----------------------------------------------------------------------
     def __enter__(self) -> Topology:
@@ -182,8 +187,8 @@ class Topology:
             _run(["ip", "link", "del", f"{self.bridge}h{i}"], check=False)
             if os.path.exists(os.path.join(NETNS_DIR, name)):
                 _run(["ip", "netns", "del", name], check=False)
-        _run(["ip", "link", "del", self.bridge], check=False)
-        self._started = False
+        _run(["ip", "link", "del", self.bridge], check=False)  # with the host's address on it, if any
+        self._started = self._host_address = False
 
     # ---- nodes --------------------------------------------------------------------------
     def netns(self, i: int) -> str:
@@ -194,6 +199,21 @@ class Topology:
 
     def address(self, i: int) -> str:
         return f"{self.subnet}.{self._check(i) + 1}"
+
+    def host_address(self) -> str:
+        """The host's address on the bridge (``<subnet>.254``), added the first time it is asked for:
+        what a server on the host binds to for every node to reach it (deleting the bridge removes it)."""
+        address = f"{self.subnet}.254"
+        if not self._started:
+            raise TopologyError("the topology is not started: no bridge to put the host's address on")
+        if not self._host_address:
+            taken = _run(["ip", "-o", "-4", "addr", "show"]).stdout
+            if f" {self.subnet}." in taken:  # another topology (or anything else) uses this /24 on the host
+                raise TopologyError(f"{self.subnet}.0/24 is already in use on the host: cannot add "
+                                    f"{address} to {self.bridge}")
+            _run(["ip", "addr", "add", f"{address}/24", "dev", self.bridge])
+            self._host_address = True
+        return address
 
     def ifname(self, i: int) -> str:
         """The node's interface: what ``GLOO_SOCKET_IFNAME`` must name for gloo to use it."""

@@ -1,7 +1,7 @@
 """Fault kinds (plugin family ``fault``): the built-in ones are registered by ``hp`` entry points
 of hp-chaos (:mod:`.process`: kill, hang, exception, slow; :mod:`.network`: node, partition, loss;
-:mod:`.storage`: storage; :mod:`.elastic`: preempt, join) and found, like a third party's, through
-:func:`fault_kinds`."""
+:mod:`.storage`: storage; :mod:`.store`: store; :mod:`.elastic`: preempt, join) and found, like a
+third party's, through :func:`fault_kinds`."""
 
 from __future__ import annotations
 

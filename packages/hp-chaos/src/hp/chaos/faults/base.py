@@ -25,7 +25,7 @@ from typing import Any, Protocol
 from hp.core.protocol import Event
 
 PHASES = ("forward", "backward", "allreduce", "commit", "optimizer", "hydration")
-TARGET_KINDS = ("rank", "node", "spare", "controller", "storage")
+TARGET_KINDS = ("rank", "node", "spare", "controller", "storage", "store")
 _INDEXED = ("rank", "node", "spare")
 
 
@@ -40,7 +40,9 @@ class ScenarioError(ValueError):
 @dataclass(frozen=True)
 class Target:
     """``rank:N``, ``node:N``, ``spare:N`` (N-th hot spare of the job, node-major), ``controller``
-    (the process hosting the job controller), ``storage`` (the job's S3 endpoint)."""
+    (the process hosting the job controller: node 0's agent, a standalone ``hp controller``, or with
+    ``job.store: etcd`` the agent of the node leading the job now), ``storage`` (the job's S3
+    endpoint), ``store`` (the job's etcd, with ``job.store: etcd``)."""
 
     kind: str
     index: int | None = None
@@ -51,7 +53,8 @@ class Target:
             raise ScenarioError(key, f"must be a string like 'rank:1', got {text!r}")
         kind, _, index = text.partition(":")
         if kind not in TARGET_KINDS:
-            raise ScenarioError(key, f"unknown target {text!r}; forms: rank:N, node:N, spare:N, controller, storage")
+            raise ScenarioError(key, f"unknown target {text!r}; forms: rank:N, node:N, spare:N, controller, storage, "
+                                     "store")
         if kind in _INDEXED:
             if not index.isdigit():
                 raise ScenarioError(key, f"{kind} targets need a number: '{kind}:N', got {text!r}")
@@ -75,6 +78,7 @@ class JobShape:
     elastic: bool = False  # the job has a scaling policy (job.elastic)
     max_nodes: int = 0  # elastic: node ranks below this may join later (0: nodes)
     controller: str = "agent"  # agent: node 0's agent hosts it | standalone
+    store: str = "tcp"  # tcp: hosted by the controller | etcd: a private etcd; the agents elect the controller
 
     @property
     def world_size(self) -> int:
@@ -139,6 +143,9 @@ class LiveJob(Protocol):
 
     @property
     def storage(self) -> Any: ...  # the job's storage server (pid, port) or None
+
+    @property
+    def etcd(self) -> Any: ...  # the job's hp.core.etcd_store.EtcdServer (job.store: etcd) or None
 
     @property
     def topology(self) -> Any: ...  # hp.chaos.topology.Topology for nodes > 1, else None

@@ -7,6 +7,12 @@ runner sends the signal from outside while step ``at_step`` runs: a spare waits 
 loop, and the controller lives in node 0's agent, neither of which runs training steps. ``kill``
 and ``hang`` with ``at_event`` are sent from outside too, on a rank to the process holding it when
 the event is seen (a grow or a re-form has no step known in advance).
+
+With ``job.store: etcd`` the agents elect the controller among them: ``controller`` is the agent of
+the node leading when the fault fires (the last ``controller_elected`` decision's node; node 0
+before any), so ``{kind: kill, target: controller}`` SIGKILLs that agent alone (its workers and
+spares notice their agent is gone and exit; another agent's replica takes over), and with
+``at_event`` it lands inside a re-form or a hydration (``failure_detected``, ``pg_ready``, ...).
 """
 
 from __future__ import annotations

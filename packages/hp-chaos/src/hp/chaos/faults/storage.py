@@ -34,7 +34,7 @@ class StorageServer:
     host: str = "127.0.0.1"
 
 
-def _wait_stopped(pid: int, timeout_s: float = 10.0) -> None:
+def wait_stopped(pid: int, timeout_s: float = 10.0) -> None:
     """Return once every thread of ``pid`` is stopped: kill() returns before a thread running on
     another core has stopped, and such a thread can still answer a request (seen with SeaweedFS)."""
     deadline = time.monotonic() + timeout_s
@@ -53,7 +53,7 @@ def _wait_stopped(pid: int, timeout_s: float = 10.0) -> None:
         if all(state in ("T", "t") for state in states):
             return
         if time.monotonic() > deadline:
-            raise RuntimeError(f"storage server pid {pid} did not stop within {timeout_s:g} s (thread states {states})")
+            raise RuntimeError(f"server pid {pid} did not stop within {timeout_s:g} s (thread states {states})")
         time.sleep(0.005)
 
 
@@ -81,7 +81,7 @@ class StorageOutage:
     def start(self) -> None:
         if self.mode == "stop":
             os.kill(self.server.pid, signal.SIGSTOP)
-            _wait_stopped(self.server.pid)
+            wait_stopped(self.server.pid)
         else:
             self._iptables("-I", *self._rule())
         self.active = True
