@@ -132,3 +132,19 @@ def test_a_frozen_leader_that_wakes_after_a_takeover_answers_nothing(replicas):
         time.sleep(0.2)
     assert e.value.status in (0, 503), e.value
     assert client.call("state", {})["generation"] == 2  # the new leader's job: nothing the old one did counts
+
+
+def test_the_packed_state_round_trips_and_a_bomb_is_refused():
+    import base64
+    import zlib
+
+    from hp.core import leader
+
+    doc = {"epoch": 3, "state": {"holders": [[r, f"r{r}.0"] for r in range(16384)]}}
+    packed = leader._pack(doc)
+    assert leader._unpack(packed) == doc and len(packed) < len(json.dumps(doc)) / 2
+    bomb = "z1:" + base64.b64encode(zlib.compress(b"0" * (leader.MAX_STATE_BYTES + 1), 9)).decode()
+    with pytest.raises(ValueError, match="inflates past"):
+        leader._unpack(bomb)
+    with pytest.raises(ValueError, match="not a packed"):
+        leader._unpack(json.dumps(doc))
