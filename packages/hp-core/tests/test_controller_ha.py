@@ -64,10 +64,11 @@ def test_a_decision_is_persisted_before_anything_is_published():
     j = Journal()
     ha_controller(j)
     kinds = [e[0] for e in j.events]
-    # the election, the first join (nothing to publish), the second join: persist, then plan and generation
-    assert kinds == ["persist", "persist", "persist", "publish", "publish"]
-    assert j.events[2][1] == 1 and j.events[2][2] == ["join", "new_generation"]
-    assert [e[1] for e in j.events[3:]] == [plan_key(1), GENERATION_KEY]
+    # the election (its write fences the previous leader out); the first join is not persisted (joins are
+    # idempotent, agents join a new leader again); the second completes the rendezvous: persist, then publish
+    assert kinds == ["persist", "persist", "publish", "publish"]
+    assert j.events[1][1] == 1 and j.events[1][2] == ["join", "join", "new_generation"]
+    assert [e[1] for e in j.events[2:]] == [plan_key(1), GENERATION_KEY]
     assert j.states[-1]["outbox"][-1] == [GENERATION_KEY, "1"]  # what a new leader would publish again
 
 

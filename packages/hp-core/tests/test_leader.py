@@ -148,3 +148,63 @@ def test_the_packed_state_round_trips_and_a_bomb_is_refused():
         leader._unpack(bomb)
     with pytest.raises(ValueError, match="not a packed"):
         leader._unpack(json.dumps(doc))
+
+
+def test_a_rendezvous_survives_a_takeover_its_nodes_join_the_new_leader(etcd_server, tmp_path):
+    """The rendezvous is not persisted (each join would rewrite the whole state): a node that joined the
+    old leader is not a member at the new one (403), joins again (as hp run's agent does), and the
+    rendezvous completes there."""
+    with ReplicaSet(etcd_server.endpoint, TOKEN, nnodes=2, lease_s=1, log_dir=str(tmp_path)) as replicas:
+        client = ControlClient(replicas.leader(), TOKEN, node=0, follow=replicas.resolver.wait_for_other, timeout_s=20)
+        join0 = {"node_rank": 0, "nproc": 1, "host": "h0", "spares": 1}
+        client.call("join", join0)
+        assert client.call("rendezvous", {"node_rank": 0})["state"] == "rendezvous"
+        replicas.process_of(client.endpoint).kill()
+        with pytest.raises(ControlPlaneError) as e:
+            client.call("rendezvous", {"node_rank": 0})  # follows to the standby, which never saw node 0
+        assert e.value.status == 403
+        client.call("join", join0)
+        other = ControlClient(client.endpoint, TOKEN, node=1, timeout_s=20)
+        other.call("join", {"node_rank": 1, "nproc": 1, "host": "h1", "spares": 1})
+        a = client.call("rendezvous", {"node_rank": 0})
+        assert a["state"] == "running" and a["generation"] == 1 and a["world_size"] == 2
+
+
+def test_hp_run_agents_join_again_when_the_controller_moves_during_the_rendezvous(etcd_server, tmp_path):
+    """A standalone replica leads while node 0's agent joins; it is SIGKILLed before node 1 arrives. Node 0's
+    own replica takes over without node 0 in its state: the agent is told it is not a member, joins
+    again, and the job runs once node 1 joins."""
+    import subprocess
+    from pathlib import Path
+
+    from hp.core.auth import TOKEN_ENV
+    from hp.core.testing import HP, wait_for
+
+    worker = Path(__file__).parent / "workers" / "allreduce_worker.py"
+    with ReplicaSet(etcd_server.endpoint, TOKEN, n=1, nnodes=2, lease_s=1) as standalone:
+        first = standalone.leader()
+        env = {**os.environ, TOKEN_ENV: TOKEN, "HP_TEST_DIR": str(tmp_path)}
+
+        def agent(node: int) -> subprocess.Popen:
+            return subprocess.Popen(
+                [*HP, "run", "--store", "etcd", "--rdzv-endpoint", etcd_server.endpoint, "--run-id", standalone.job,
+                 "--nnodes", "2", "--node-rank", str(node), "--controller-lease", "1", "--heartbeat-timeout", "10",
+                 "--log-dir", str(tmp_path / f"n{node}"), str(worker)],
+                env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
+
+        agents = [agent(0)]
+        try:
+            probe = ControlClient(first, TOKEN, timeout_s=5)
+            wait_for(lambda: "0" in probe.call("state", {})["nodes"], 60, "node 0 joining the standalone leader")
+            standalone.process_of(first).kill()
+            agents.append(agent(1))
+            outputs = [a.communicate(timeout=120)[0] for a in agents]
+        finally:
+            for a in agents:
+                if a.poll() is None:
+                    os.killpg(a.pid, signal.SIGKILL)
+                    a.wait()
+        assert [a.returncode for a in agents] == [0, 0], outputs
+        assert "joining its new leader" in outputs[0], outputs[0][-2000:]
+        sums = sorted((tmp_path / f"rank{r}.sum").read_text().split()[:2] for r in (0, 1))
+        assert sums == [["1.0", "2"], ["1.0", "2"]]

@@ -65,6 +65,10 @@ class JobFailed(HpError):
     """The controller stopped the job; the message says which rank failed and why."""
 
 
+class _Rejoin(Exception):
+    """HA: the controller that answered does not know this node (a new leader took over a rendezvous)."""
+
+
 class Fenced(HpError):
     """This node lost the controller for longer than its lease: it must stop its workers."""
 
@@ -245,8 +249,10 @@ class Agent:
         self._client = ControlClient(endpoint, self.token, node=self.cfg.node_rank, follow=resolver.wait_for_other)
         return self._client
 
-    def _call_until(self, client: ControlClient, verb: Verb, payload: dict, done, what: str) -> dict:
-        """Retry ``verb`` until ``done(answer)`` or the rendezvous timeout; unreachable is retried."""
+    def _call_until(self, client: ControlClient, verb: Verb, payload: dict, done, what: str,
+                    rejoin: bool = False) -> dict:
+        """Retry ``verb`` until ``done(answer)`` or the rendezvous timeout; unreachable is retried.
+        ``rejoin``: a 403 (this node is not a member) raises :class:`_Rejoin` instead of failing."""
         deadline = time.monotonic() + self.cfg.rdzv_timeout_s
         last_error = "no answer"
         while time.monotonic() < deadline:
@@ -255,6 +261,8 @@ class Agent:
                 if done(answer):
                     return answer
             except ControlPlaneError as e:
+                if rejoin and e.status == 403:
+                    raise _Rejoin() from None
                 if e.status:  # an answer that refuses is final
                     raise JobFailed(str(e)) from None
                 last_error = str(e)
@@ -263,12 +271,17 @@ class Agent:
 
     def _rendezvous(self, client: ControlClient) -> Assignment:
         me = {"node_rank": self.cfg.node_rank}
-        self._call_until(client, Verb.JOIN, {**me, "nproc": self.cfg.nproc_per_node, "spares": self.cfg.spares,
-                                              "host": socket.gethostname(), "address": self._address,
-                                              **({"forming_store": f"{self._forming.host}:{self._forming.port}"}
-                                                 if self._forming is not None else {})},
-                         lambda a: True, "joining the controller")
-        a = self._call_until(client, Verb.RENDEZVOUS, me, lambda a: a["state"] != JobState.RENDEZVOUS, "rendezvous")
+        join = {**me, "nproc": self.cfg.nproc_per_node, "spares": self.cfg.spares, "host": socket.gethostname(),
+                "address": self._address,
+                **({"forming_store": f"{self._forming.host}:{self._forming.port}"} if self._forming is not None else {})}
+        while True:
+            self._call_until(client, Verb.JOIN, join, lambda a: True, "joining the controller")
+            try:
+                a = self._call_until(client, Verb.RENDEZVOUS, me, lambda a: a["state"] != JobState.RENDEZVOUS,
+                                     "rendezvous", rejoin=self.cfg.ha)
+                break
+            except _Rejoin:  # HA: a new leader took over during the rendezvous, which is not persisted
+                say("the controller moved during the rendezvous: joining its new leader")
         if a["state"] != JobState.RUNNING:
             raise JobFailed(a.get("reason") or f"job is {a['state']}")
         self.generation = a["generation"]

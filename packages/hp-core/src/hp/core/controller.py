@@ -193,9 +193,14 @@ class Controller:
             kept.append({"rid": rid, "verb": verb, "answer": answer})
             del kept[:-ANSWERS_KEPT]
 
-    def _commit(self) -> None:
-        """Make what the last request changed durable (when persisting), then publish its values."""
-        if self._dirty and self._persist_fn is not None:
+    def _commit(self, force: bool = False) -> None:
+        """Make what the last request changed durable (when persisting), then publish its values. Not
+        joins during the rendezvous: they are idempotent and an agent joins again when a new leader does
+        not know its node, so persisting the whole state per join (O(nodes^2) bytes) buys nothing; the
+        state is persisted when the rendezvous completes. ``force``: persist anyway (a takeover's write,
+        which fences out the previous leader)."""
+        waits = self.state is JobState.RENDEZVOUS and not self._outbox and not force
+        if self._dirty and self._persist_fn is not None and not waits:
             from hp.core.controller_state import dump  # the state's shape lives there
 
             try:
@@ -227,7 +232,7 @@ class Controller:
             if state is not None:
                 self._outbox = load(self, state, self._clock())
             self._log(Decision.CONTROLLER_ELECTED, **details)
-            self._commit()
+            self._commit(force=True)
 
     def record_refusal(self, verb: str, status: int, message: str, node_rank: Any = None) -> None:
         log.warning("refused %s from node %s: %s", verb, node_rank, message)
