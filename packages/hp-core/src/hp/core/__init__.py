@@ -27,6 +27,9 @@ _EXPORTS = {
     "StoreBackend": "hp.core.store", "StoreServer": "hp.core.store",
     "TransportBackend": "hp.core.transport", "generation_prefix": "hp.core.transport",
     "WorkerContext": "hp.core.worker",
+    "CONTROLLER_KEY": "hp.core.protocol", "ControllerReplica": "hp.core.leader", "LeaderResolver": "hp.core.leader",
+    "Lease": "hp.core.leader", "StateKeeper": "hp.core.leader",
+    "Relay": "hp.core.fanout", "Mirror": "hp.core.fanout",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -25,8 +25,6 @@ from typing import Any
 from hp.core import auth
 from hp.core.testing import HP, free_port
 
-TOKEN_LEN = 48
-
 
 class ReplicaSet:
     """``n`` ``hp controller --store etcd`` replicas of one new job, each on its own port (which names it)."""
@@ -36,7 +34,7 @@ class ReplicaSet:
         from hp.core.leader import LeaderResolver
         from hp.core.plugins import get_backend
 
-        self.job, self.token, self.endpoint = uuid.uuid4().hex, token, etcd_endpoint
+        self.job, self.token = uuid.uuid4().hex, token
         env = {**os.environ, auth.TOKEN_ENV: token}
         self.ports = [free_port(host) for _ in range(n)]
         self.procs = []
