@@ -139,9 +139,10 @@ class Agent:
             client = self._connect()
             assignment = self._rendezvous(client)
             self._start_services(client, assignment)
-            self._relay = Relay(lambda: self.store_backend.connect(assignment.store_host, assignment.store_port,
-                                                                   job=self.cfg.run_id),
-                                self.token, self.cfg.node_rank, assignment.generation, log=say).start()
+            if self.cfg.relay:
+                self._relay = Relay(lambda: self.store_backend.connect(assignment.store_host, assignment.store_port,
+                                                                       job=self.cfg.run_id),
+                                    self.token, self.cfg.node_rank, assignment.generation, log=say).start()
             self._start_workers(assignment)
             if (self.cfg.replenish_spares and self.cfg.spares) or self.cfg.scaling_policy is not None:
                 # replacements (and, elastic, the new process of a rank the job shrank without) are

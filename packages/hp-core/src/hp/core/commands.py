@@ -56,6 +56,9 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
            "the same --run-id)")
     a("--controller-port", type=int, default=0,
       help="--store etcd: the port this node serves the controller on when elected (default: any free one)")
+    a("--node-relay", action=argparse.BooleanOptionalAction, default=None,
+      help="workers learn new generations from this node's agent (one blocking watcher of the store per node, "
+           "hp.core.fanout) instead of each polling the store; default: on with --store etcd, off with tcp")
     a("--controller-lease", type=int, default=2,
       help="--store etcd: seconds of the controller's lease in etcd: a standby takes over this long after "
            "the leader's node dies")
@@ -99,7 +102,7 @@ def _run(args: argparse.Namespace) -> int:
         capacity_file=args.capacity_file, nproc_per_node=args.nproc_per_node, node_rank=args.node_rank,
         rdzv_endpoint=parse_endpoint(args.rdzv_endpoint) if args.rdzv_endpoint and args.store != "etcd" else None,
         store_endpoint=_etcd_endpoint(args.rdzv_endpoint) if args.rdzv_endpoint and args.store == "etcd" else None,
-        controller_port=args.controller_port, controller_lease_s=args.controller_lease,
+        controller_port=args.controller_port, controller_lease_s=args.controller_lease, node_relay=args.node_relay,
         external_controller=args.external_controller, max_restarts=args.max_restarts,
         monitor_interval_s=args.monitor_interval, heartbeat_interval_s=args.heartbeat_interval,
         heartbeat_timeout_s=args.heartbeat_timeout, hang_timeout_s=args.hang_timeout, rdzv_timeout_s=args.rdzv_timeout,
