@@ -43,6 +43,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from hp.core.bench_control_nodes import POLL_S, TOKEN, GroupSpec
+from hp.core.cli import int_list
 from hp.core.errors import UsageError
 from hp.core.fanout import RELAY_WAIT_S
 from hp.core.hookspecs import hookimpl
@@ -333,20 +334,11 @@ def format_table(r: dict[str, Any]) -> str:
 
 # ---- the CLI: hp bench control -------------------------------------------------------------------
 
-def _sizes(text: str) -> tuple[int, ...]:
-    try:
-        values = tuple(int(x) for x in text.split(",") if x.strip())
-    except ValueError:
-        raise UsageError(f"--sizes: comma-separated integers, got {text!r}") from None
-    if not values or min(values) < 1:
-        raise UsageError(f"--sizes: numbers of ranks >= 1, got {text!r}")
-    return values
-
-
 def run_cli(args: argparse.Namespace) -> int:
     if min(args.repeats, args.changes, args.ranks_per_node, args.processes) < 1:
         raise UsageError("--repeats, --changes, --ranks-per-node and --processes must be >= 1")
-    cfg = ControlBenchConfig(sizes=_sizes(args.sizes), ranks_per_node=args.ranks_per_node, processes=args.processes,
+    cfg = ControlBenchConfig(sizes=int_list(args.sizes, "--sizes", 1, "numbers of ranks >= 1"),
+                             ranks_per_node=args.ranks_per_node, processes=args.processes,
                              repeats=args.repeats, changes=args.changes, poll_idle_s=args.idle,
                              relay_wait_s=args.relay_wait, store=args.store, timeout_s=args.timeout)
     # before torch loads here and in the processes of simulated nodes: c10d logs two warnings per timed-out

@@ -40,6 +40,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
+from hp.core.cli import int_list
 from hp.core.errors import UsageError
 from hp.core.hookspecs import hookimpl
 
@@ -252,16 +253,6 @@ def format_table(r: dict[str, Any]) -> str:
 
 # ---- the CLI: hp bench init ---------------------------------------------------------------------------
 
-def _ints(text: str) -> tuple[int, ...]:
-    try:
-        values = tuple(int(x) for x in text.split(",") if x.strip())
-    except ValueError:
-        raise UsageError(f"--ranks: comma-separated integers, got {text!r}") from None
-    if not values or min(values) < 2:
-        raise UsageError(f"--ranks: sizes of at least 2 ranks, got {text!r}")
-    return values
-
-
 def run_cli(args: argparse.Namespace) -> int:
     variants = tuple(v for v in args.variants.split(",") if v)
     if not variants or set(variants) - set(VARIANTS):
@@ -270,7 +261,8 @@ def run_cli(args: argparse.Namespace) -> int:
         raise UsageError("--repeats must be >= 1")
     if args.failover_repeats < 0 or args.lease < 1:
         raise UsageError("--failover-repeats must be >= 0 and --lease >= 1")
-    cfg = InitBenchConfig(ranks=_ints(args.ranks), repeats=args.repeats, variants=variants,
+    cfg = InitBenchConfig(ranks=int_list(args.ranks, "--ranks", 2, "sizes of at least 2 ranks"), repeats=args.repeats,
+                          variants=variants,
                           timeout_s=args.timeout, warmup=not args.no_warmup, failover_repeats=args.failover_repeats,
                           lease_s=args.lease)
     if "etcd" in variants or cfg.failover_repeats:
