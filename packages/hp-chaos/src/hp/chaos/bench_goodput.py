@@ -5,10 +5,12 @@ The job is ``hp demo``'s (:mod:`hp.checkpointless.demo.train`) under ``hp run --
 stopped after the measured window. Both runs are in the same invocation and last the same window of
 ``duration_s`` seconds after their first commit (``import torch`` and the model build are outside it):
 
-1. **fault-free**: its median step time ``s`` is what a step costs without faults, and its committed
-   steps (it runs a little past the window) are the reference every faulted step is compared with.
-2. **faulted**: a random rank (seeded) is SIGKILLed every ``fault_every_s`` seconds. The victim is
+1. **faulted**: a random rank (seeded) is SIGKILLed every ``fault_every_s`` seconds. The victim is
    whichever process holds that rank then: promoted spares die too, and each promotion is replaced.
+2. **fault-free**: its median step time ``s`` over the window is what a step costs without faults,
+   and its committed steps are the reference every faulted step is compared with: it trains past the
+   window until it has committed the faulted run's last step (run first, under a quieter or busier
+   machine than the faulted one, a time-boxed reference once missed the faulted run's last steps).
 
 **goodput** (definition version :data:`DEFINITION_VERSION`) = the steps the faulted run committed
 over the steps a fault-free run commits in the same wall time, where "a fault-free run" is the
@@ -52,7 +54,7 @@ from hp.core.protocol import Decision, Event
 
 DEFINITION_VERSION = 2
 NEVER = 10**7  # steps: the window ends the job, not the step count
-OVERRUN = 1.15  # the fault-free run trains this much longer than the window: every faulted step has a reference
+REFERENCE_TIMEOUT_S = 600.0  # past the window, for the fault-free run to reach the faulted run's last step
 
 
 @dataclass
@@ -150,12 +152,18 @@ def goodput(costs: list[float], duration_s: float) -> float:
     return 1.0 - sum(costs) / duration_s
 
 
-def _fault_free(cfg: GoodputConfig, root: str, env: dict[str, str]) -> tuple[_Job, float]:
-    _log(f"fault-free: {cfg.duration_s:g} s (+{OVERRUN - 1:.0%} so that every faulted step has a reference)")
+def _fault_free(cfg: GoodputConfig, root: str, env: dict[str, str], last_step: int) -> tuple[_Job, float]:
+    _log(f"fault-free: {cfg.duration_s:g} s, then on to step {last_step} (the faulted run's last)")
     job = _Job(cfg, os.path.join(root, "fault-free"), env)
     try:
         t0 = job.first_commit(600)
-        time.sleep(max(0.0, t0 + cfg.duration_s * OVERRUN - time.time()))
+        time.sleep(max(0.0, t0 + cfg.duration_s - time.time()))
+        deadline = time.monotonic() + REFERENCE_TIMEOUT_S
+        while max(RunResult(0, 0.0, job.events(), "").losses(), default=-1) < last_step:
+            if job.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"the fault-free job did not reach step {last_step} (exit {job.proc.poll()})"
+                                   f":\n{job.output()[-2000:]}")
+            time.sleep(0.1)
         if job.stop() is not None:
             raise RuntimeError(f"the fault-free job ended early (exit {job.proc.returncode}):\n{job.output()[-2000:]}")
     finally:
@@ -205,7 +213,11 @@ def run_bench(cfg: GoodputConfig) -> dict:
            **({PIN_ENV: "1"} if cfg.pin else {})}
     os.makedirs(env["HP_DATA_CACHE_DIR"], exist_ok=True)
 
-    free, f0 = _fault_free(cfg, root, env)
+    job, t0, faults, completed = _faulted(cfg, root, env)
+    events, end = job.events(), t0 + cfg.duration_s
+    commits = _new_commits(events, t0, end)
+    faulted_run = RunResult(0, 0.0, events, "")
+    free, f0 = _fault_free(cfg, root, env, max(faulted_run.losses(), default=-1))
     free_events = free.events()
     free_commits = _new_commits(free_events, f0, f0 + cfg.duration_s)
     intervals = [b - a for a, b in pairwise(free_commits)][2:]  # the first steps warm caches up
@@ -214,9 +226,6 @@ def run_bench(cfg: GoodputConfig) -> dict:
                            f"lengthen --duration\n{free.output()[-2000:]}")
     step_s = statistics.median(intervals)
 
-    job, t0, faults, completed = _faulted(cfg, root, env)
-    events, end = job.events(), t0 + cfg.duration_s
-    commits = _new_commits(events, t0, end)
     recoveries = [recovery_after(events, f["t"]) for f in faults]
     recovered = [r["recovery_s"] for r in recoveries if r["recovery_s"] is not None]
     decisions = _decisions(job.log_dir)
@@ -224,7 +233,7 @@ def run_bench(cfg: GoodputConfig) -> dict:
     charge(per_fault, commits, step_s, t0)
     # bit-equality: every step the faulted run committed (in the window or after it), every rank's
     # local loss and the global mean, against the fault-free run
-    faulted_run, free_run = RunResult(0, 0.0, events, ""), RunResult(0, 0.0, free_events, "")
+    free_run = RunResult(0, 0.0, free_events, "")
     steps = faulted_run.losses()
     unmatched = [s for s in steps if s not in free_run.losses()]
     differing = [s for s in differing_steps(free_run, faulted_run) if s in steps]
@@ -249,6 +258,7 @@ def run_bench(cfg: GoodputConfig) -> dict:
         "bitwise_equal_steps": len(steps) - len(unmatched),
         "steps_after_last_fault": sum(s > last_fault_step for s in steps) if faults else 0,
         "unmatched_steps": len(unmatched),
+        "differing_steps": len(differing),
         "bitwise_equal": not differing and not unmatched,
         "promotions": sum(d["decision"] == Decision.PROMOTE_SPARE for d in decisions),
         "spares_added": sum(d["decision"] == Decision.SPARE_ADDED for d in decisions),
