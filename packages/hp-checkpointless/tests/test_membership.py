@@ -233,6 +233,37 @@ def test_with_the_channel_a_new_generation_wakes_the_waiters_without_a_store_req
         watch.stop()
 
 
+def test_a_grow_published_just_after_a_failure_does_not_hide_it(store, channel):
+    """elastic-kill-during-grow: generation 4 (a rank died while 3 formed) then 5 (a grow, planned) reach
+    a watch that wakes once for both: 5 is handed on as unplanned, so the forming of 3 is abandoned."""
+    _, mirror = channel
+    seen, busy = [], threading.Event()
+
+    def on_superseded(plan):
+        seen.append(plan)
+        if plan.generation == 3:
+            busy.wait(10)  # the watch is held up (a loaded machine) while 4 and 5 are published
+
+    watch = Watch(lambda: None, None, on_superseded, token=TOKEN, channel=mirror).start()
+    try:
+        for g in (1, 2, 3):
+            _publish(store, g)
+        wait_for(lambda: seen and seen[-1].generation == 3, 10, "generation 3")
+        before = len(seen)
+        _publish(store, 4)
+        _publish(store, 5, why="grow", at_boundary=True)
+        wait_for(lambda: mirror.get(plan_key(5)) is not None, 10, "both forwarded")
+        busy.set()
+        wait_for(lambda: len(seen) > before, 10, "the watch to wake")
+        assert seen[before:] == [_plan(5, why="grow", at_boundary=False)]
+        _publish(store, 6, why="grow", at_boundary=True)  # a grow alone stays planned
+        wait_for(lambda: len(seen) > before + 1, 10, "generation 6")
+        assert seen[before + 1:] == [_plan(6, why="grow", at_boundary=True)]
+    finally:
+        busy.set()
+        watch.stop()
+
+
 def test_a_forged_value_in_the_channel_is_refused(store, channel):
     relay, mirror = channel
     _publish(store, 1)
@@ -274,6 +305,21 @@ def test_with_the_channel_a_spare_waits_for_its_genuine_assignment(store, channe
     sealing(store.set, TOKEN)(spare_key("n0s0"), SpareAssignment(1, 2).to_json())
     waiter.join(10)
     assert got == [(1, 2)] and view.store.requests == 0
+
+
+def test_a_rank_without_the_channel_arriving_last_still_forms_the_barrier(store, channel):
+    """A worker whose mirror failed reads the store (hp.core.fanout.Mirror.from_env): when it arrives
+    last, its peers that block on the barrier's outcome are woken, not left waiting for a newer generation."""
+    _, mirror = channel
+    _publish(store, 1)
+    done = []
+    first = threading.Thread(target=lambda: (arrive(JobView(_worker_store(store), TOKEN, channel=mirror), 1, 2),
+                                             done.append("channel")), daemon=True)
+    first.start()
+    time.sleep(0.3)
+    arrive(JobView(_worker_store(store), TOKEN), 1, 2)
+    first.join(1.0)  # within a slice of the barrier's wait (2 s): woken, not timed out
+    assert done == ["channel"]
 
 
 def test_with_the_channel_the_arrival_barrier_blocks_and_wakes_at_once(store, channel):

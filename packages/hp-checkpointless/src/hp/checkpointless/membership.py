@@ -20,6 +20,7 @@ import os
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from datetime import timedelta
 
 import torch.distributed as dist
@@ -220,6 +221,9 @@ def arrive(view: JobView, generation: int, world_size: int, poll_s: float = 0.00
         while barrier.add("count", 0) < world_size:
             _left_behind(view, generation)
             time.sleep(poll_s)
+        # a peer on a node with a channel (or whose mirror failed: it then reads the store, as here) blocks
+        # on the outcome, not the count: the last to arrive may be this rank
+        barrier.compare_set(ARRIVE_OUTCOME, "", ArriveOutcome.FORMED.value)
         return
     if arrived >= world_size:
         barrier.compare_set(ARRIVE_OUTCOME, "", ArriveOutcome.FORMED.value)
@@ -299,11 +303,7 @@ class Watch:
             try:
                 if view is None:
                     view = JobView(self._connect(), self._token, self._refusals)
-                latest = view.generation()  # a forged or replayed (older) generation is ignored
-                plan = view.plan(latest) if latest > seen else None  # each new generation's plan is read once
-                if plan is not None:  # a forged plan is never handed on: the genuine one is waited for
-                    self._on_superseded(plan)
-                    seen = latest
+                seen = self._hand_on(view, seen, view.generation())  # a forged or replayed (older) one is ignored
             except Exception:  # the store is gone at job end; the main thread notices on its own
                 if self._stop.is_set():
                     return
@@ -313,12 +313,29 @@ class Watch:
         view, seen = JobView(None, self._token, self._refusals, self._channel), 0
         while not self._stop.is_set():
             version = self._channel.version
-            latest = view.generation()
-            plan = view.plan(latest) if latest > seen else None
-            if plan is not None:
-                self._on_superseded(plan)
-                seen = latest
+            seen = self._hand_on(view, seen, view.generation())
             self._channel.wait(version, WATCH_WAKE_S, self._stop)
+
+    def _hand_on(self, view: JobView, seen: int, latest: int) -> int:
+        """Hand the plan of ``latest`` on if it is newer than ``seen`` (each new generation's plan is read
+        once; a forged one is never handed on: the genuine one is waited for); the generation seen now.
+
+        A planned generation (``at_boundary``: a grow) published just after an unplanned one (a rank died)
+        must not hide it: a watch that woke once for both would hand on only the planned one, which
+        abandons nothing, and a rank forming the generation the dead rank was in would wait out the
+        group's whole timeout (elastic-kill-during-grow, on a loaded machine). So the newest plan is
+        handed on as unplanned unless every generation it skipped was planned too (one more read per
+        skipped generation, only when one was skipped)."""
+        if latest <= seen:
+            return seen
+        plan = view.plan(latest)
+        if plan is None:
+            return seen
+        if seen and plan.at_boundary and not all(
+                (skipped := view.plan(g)) is not None and skipped.at_boundary for g in range(seen + 1, latest)):
+            plan = replace(plan, at_boundary=False)
+        self._on_superseded(plan)
+        return latest
 
     def stop(self) -> None:
         """Stop beating and remove the heartbeat file: a process that left the step loop (and
