@@ -17,7 +17,8 @@ import pytest
 import torch.distributed as dist
 
 from hp.core.bench_control_nodes import counting
-from hp.core.fanout import KEEP_PLANS, Channel, Mirror, Relay, forwarded
+from hp.core import fanout
+from hp.core.fanout import DIR_PREFIX, KEEP_PLANS, Channel, Mirror, Relay, forwarded, sweep_stale
 from hp.core.protocol import (
     ARRIVE_OUTCOME, GENERATION_KEY, STATE_NBYTES_KEY, ArriveOutcome, Plan, SpareAssignment, arrive_prefix, plan_key,
     spare_key,
@@ -202,6 +203,69 @@ def test_a_mirror_that_lost_its_connection_resyncs():
         mirror.close()
     finally:
         channel.close()
+
+
+def test_a_store_value_over_the_bound_is_not_forwarded(store, relay, monkeypatch):
+    monkeypatch.setattr(fanout, "MAX_VALUE_BYTES", 4096)
+    mirror = Mirror(relay.channel.path)
+    store.set(plan_key(1), b"x" * 5000)  # a store writer without the token, at the key the relay waits on
+    threading.Event().wait(0.5)
+    assert mirror.get(plan_key(1)) is None
+    plan = _publish(store, 1)
+    wait_for(lambda: mirror.get(plan_key(1)) is not None, 10, "the genuine plan")
+    assert Plan.from_json(unseal(TOKEN, plan_key(1), mirror.get(plan_key(1)))) == plan
+    mirror.close()
+
+
+def test_a_mirror_drops_a_frame_over_the_bound_and_connects_again(tmp_path):
+    path = str(tmp_path / "channel.sock")
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    server.bind(path)
+    server.listen(4)
+    server.settimeout(10)
+    accepted = []
+
+    def serve():
+        for _ in range(2):
+            conn, _ = server.accept()
+            accepted.append(conn)
+            conn.sendall(fanout._frame("", b""))  # in sync
+            if len(accepted) == 1:  # then a frame that claims 1 GiB
+                conn.sendall(fanout._HEADER.pack(9, 1 << 30) + b"hp/plan/1" + b"x" * 100)
+
+    thread = threading.Thread(target=serve, daemon=True)
+    thread.start()
+    mirror = Mirror(path, retry_s=0.05)
+    try:
+        wait_for(lambda: len(accepted) == 2, 10, "the mirror to connect again")
+        assert mirror.get(plan_key(1)) is None
+    finally:
+        mirror.close()
+        server.close()
+        for conn in accepted:
+            conn.close()
+
+
+def test_a_killed_agents_channel_directory_is_swept_by_the_next(tmp_path):
+    dead = tmp_path / f"{DIR_PREFIX}dead"
+    dead.mkdir(mode=0o700)
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.bind(str(dead / "channel.sock"))  # bound, then its process gone: connections are refused
+    sock.close()
+    live = tmp_path / f"{DIR_PREFIX}live"
+    live.mkdir(mode=0o700)
+    listening = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listening.bind(str(live / "channel.sock"))
+    listening.listen(1)
+    fresh = tmp_path / f"{DIR_PREFIX}binding"  # made a moment ago, its socket not bound yet
+    fresh.mkdir(mode=0o700)
+    other = tmp_path / "not-a-channel"
+    other.mkdir()
+    try:
+        assert sweep_stale(str(tmp_path)) == [str(dead)]
+        assert not dead.exists() and live.exists() and fresh.exists() and other.exists()
+    finally:
+        listening.close()
 
 
 def test_only_the_membership_is_forwarded():

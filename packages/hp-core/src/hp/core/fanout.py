@@ -28,6 +28,12 @@ my assignment, or stop", and ``TCPStore.wait`` returns only once *all* its keys 
 ``TCPStore`` wait logs two c10d warnings (and several timing out at once in one process stall ~5 s).
 A frame is ``!HI`` (key and value lengths, :data:`_DELETED` for a removed key), the key, the value; a
 client gets every current value, then an empty key (in sync), then each change. Stdlib only.
+
+**Bounds.** A store value over :data:`MAX_VALUE_BYTES` is not forwarded (a store writer without the token
+could otherwise make every worker of every node hold it): the relay reads it as it reads a forged one. A
+mirror drops a connection whose frame claims more, and connects again. An agent killed with SIGKILL
+leaves its channel's directory behind: the next channel made on the machine by the same user removes
+every such directory whose socket no process listens on (:func:`sweep_stale`).
 """
 
 from __future__ import annotations
@@ -59,6 +65,8 @@ KEEP_PLANS = 4  # plans of older generations leave the channel (a 16k-rank plan 
 FORGED_RETRY_S = 0.1  # a forged value at the key the relay waits for is read again this often
 ASSIGNMENT_RETRY_S = (0.002, 1.0)  # a promoted spare's assignment is read again from 2 ms, doubling to 1 s
 SEND_TIMEOUT_S = 1.0  # a client that takes no frame for this long is dropped (it reconnects, resyncs)
+MAX_VALUE_BYTES = 64 << 20  # a forwarded value's bound (a 16,384-rank plan is ~0.4 MB)
+DIR_PREFIX = "hp-fanout-"
 _HEADER = struct.Struct("!HI")
 _DELETED = 0xFFFFFFFF
 
@@ -73,12 +81,41 @@ def _frame(key: str, value: bytes | None) -> bytes:
     return _HEADER.pack(len(name), _DELETED if value is None else len(value)) + name + (value or b"")
 
 
+def sweep_stale(parent: str) -> list[str]:
+    """Remove this user's channel directories in ``parent`` that no process serves any more (their agent
+    was killed before it could close them): a socket nobody listens on refuses connections. The removed."""
+    removed = []
+    for name in os.listdir(parent):
+        path = os.path.join(parent, name)
+        try:
+            if not name.startswith(DIR_PREFIX) or os.lstat(path).st_uid != os.getuid():
+                continue
+            probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            try:
+                probe.connect(os.path.join(path, "channel.sock"))
+                continue  # served
+            except ConnectionRefusedError:
+                pass
+            except FileNotFoundError:  # no socket: made, then killed before binding (or binding now)
+                if time.time() - os.lstat(path).st_mtime < 60:
+                    continue
+            finally:
+                probe.close()
+        except OSError:
+            continue
+        shutil.rmtree(path, ignore_errors=True)
+        removed.append(path)
+    return removed
+
+
 class Channel:
     """The node's end: the current forwarded values, pushed to every connected :class:`Mirror`."""
 
     def __init__(self) -> None:
         # 0700: this user's processes only; in /tmp if $TMPDIR is too long for a socket's path (108 bytes)
-        self._dir = tempfile.mkdtemp(prefix="hp-fanout-", dir=None if len(tempfile.gettempdir()) < 64 else "/tmp")
+        parent = tempfile.gettempdir() if len(tempfile.gettempdir()) < 64 else "/tmp"
+        sweep_stale(parent)
+        self._dir = tempfile.mkdtemp(prefix=DIR_PREFIX, dir=parent)
         self.path = os.path.join(self._dir, "channel.sock")
         self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self._listener.bind(self.path)
@@ -227,17 +264,26 @@ class Mirror:
                 self._reconnect()
                 continue
             buffer += data
-            self._apply(buffer)
+            if not self._apply(buffer):  # a frame over the bound: not this channel's; connect again
+                print(f"hp: warning: node channel {self.path} sent a frame over {MAX_VALUE_BYTES} bytes; "
+                      f"connecting again", file=sys.stderr, flush=True)
+                buffer.clear()
+                time.sleep(self._retry)
+                self._reconnect()
 
-    def _apply(self, buffer: bytearray) -> None:
-        changed = False
+    def _apply(self, buffer: bytearray) -> bool:
+        """Apply every whole frame in ``buffer`` (removing it); False at a frame over the bound."""
+        changed, ok = False, True
         with self._cond:
             while len(buffer) >= _HEADER.size:
                 klen, vlen = _HEADER.unpack_from(buffer)
+                if vlen != _DELETED and vlen > MAX_VALUE_BYTES:
+                    ok = False
+                    break
                 size = _HEADER.size + klen + (0 if vlen == _DELETED else vlen)
                 if len(buffer) < size:
                     break
-                key = bytes(buffer[_HEADER.size:_HEADER.size + klen]).decode()
+                key = bytes(buffer[_HEADER.size:_HEADER.size + klen]).decode(errors="replace")
                 if not key:
                     self._synced = True
                 elif vlen == _DELETED:
@@ -251,6 +297,7 @@ class Mirror:
                 self._cond.notify_all()
         if changed and self._on_change is not None:
             self._on_change(self)
+        return ok
 
     def _reconnect(self) -> None:
         sock, self._sock = self._sock, None
@@ -298,6 +345,7 @@ class Relay:
         self._pending: dict[str, int] = {}  # spare id -> the generation its genuine assignment is for
         self._promoted_spares: set[str] = set()  # every spare of this node a plan named (ids are never reused)
         self._retry = ASSIGNMENT_RETRY_S[0]
+        self._oversized = ""  # the last key found over the bound (said once)
         self._log = log or (lambda m: print(f"hp: relay: {m}", file=sys.stderr, flush=True))
         self._stop = threading.Event()
         self.channel: Channel | None = None
@@ -354,6 +402,12 @@ class Relay:
             raw = store.get(key)
         except dist.DistStoreError:  # nothing new within wait_s: wait again
             return
+        if len(raw) > MAX_VALUE_BYTES:  # not the controller's: not forwarded; its own replaces it
+            if self._oversized != key:
+                self._oversized = key
+                self._log(f"{key} holds {len(raw)} bytes, over {MAX_VALUE_BYTES}: not forwarded")
+            self._stop.wait(FORGED_RETRY_S)
+            return
         # first, in one batch: the node's ranks learn of it before the relay's own work
         self.channel.update({key: raw, plan_key(self._next - KEEP_PLANS): None})
         try:  # the seal binds the value to the key: a genuine one is this generation's plan
@@ -388,6 +442,8 @@ class Relay:
             if not store.check([key]):
                 continue
             raw = store.get(key)
+            if len(raw) > MAX_VALUE_BYTES:  # not the controller's (see _step)
+                continue
             self.channel.update({key: raw})
             try:
                 got = SpareAssignment.from_json(unseal(self._token, key, raw))
