@@ -11,6 +11,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from datetime import timedelta
 
 import pytest
@@ -247,25 +248,33 @@ def test_a_mirror_drops_a_frame_over_the_bound_and_connects_again(tmp_path):
 
 
 def test_a_killed_agents_channel_directory_is_swept_by_the_next(tmp_path):
-    dead = tmp_path / f"{DIR_PREFIX}dead"
-    dead.mkdir(mode=0o700)
+    def channel_dir(name: str):
+        path = tmp_path / f"{DIR_PREFIX}{name}"
+        path.mkdir(mode=0o700)
+        return path
+
+    def age(path, age_s: float = 120.0):
+        os.utime(path, (time.time() - age_s, time.time() - age_s))
+
+    dead, live, unbound, fresh = (channel_dir(n) for n in ("dead", "live", "unbound", "fresh"))
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     sock.bind(str(dead / "channel.sock"))  # bound, then its process gone: connections are refused
     sock.close()
-    live = tmp_path / f"{DIR_PREFIX}live"
-    live.mkdir(mode=0o700)
     listening = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     listening.bind(str(live / "channel.sock"))
     listening.listen(1)
-    fresh = tmp_path / f"{DIR_PREFIX}binding"  # made a moment ago, its socket not bound yet
-    fresh.mkdir(mode=0o700)
     other = tmp_path / "not-a-channel"
     other.mkdir()
+    for path in (dead, live, unbound, other):
+        age(path)
+    fresh_sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    fresh_sock.bind(str(fresh / "channel.sock"))  # bound a moment ago, not listening yet
     try:
-        assert sweep_stale(str(tmp_path)) == [str(dead)]
-        assert not dead.exists() and live.exists() and fresh.exists() and other.exists()
+        assert sorted(sweep_stale(str(tmp_path))) == sorted([str(dead), str(unbound)])
+        assert live.exists() and fresh.exists() and other.exists()
     finally:
         listening.close()
+        fresh_sock.close()
 
 
 def test_only_the_membership_is_forwarded():

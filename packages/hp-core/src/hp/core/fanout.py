@@ -81,24 +81,23 @@ def _frame(key: str, value: bytes | None) -> bytes:
     return _HEADER.pack(len(name), _DELETED if value is None else len(value)) + name + (value or b"")
 
 
-def sweep_stale(parent: str) -> list[str]:
+def sweep_stale(parent: str, min_age_s: float = 60.0) -> list[str]:
     """Remove this user's channel directories in ``parent`` that no process serves any more (their agent
-    was killed before it could close them): a socket nobody listens on refuses connections. The removed."""
+    was killed before it could close them): a socket nobody listens on refuses connections. One changed
+    within ``min_age_s`` is left alone (its channel may be between its bind and its listen). The removed."""
     removed = []
     for name in os.listdir(parent):
         path = os.path.join(parent, name)
         try:
-            if not name.startswith(DIR_PREFIX) or os.lstat(path).st_uid != os.getuid():
+            info = os.lstat(path)
+            if not name.startswith(DIR_PREFIX) or info.st_uid != os.getuid() or time.time() - info.st_mtime < min_age_s:
                 continue
             probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
             try:
                 probe.connect(os.path.join(path, "channel.sock"))
                 continue  # served
-            except ConnectionRefusedError:
+            except (ConnectionRefusedError, FileNotFoundError):  # nobody listens (or killed before binding)
                 pass
-            except FileNotFoundError:  # no socket: made, then killed before binding (or binding now)
-                if time.time() - os.lstat(path).st_mtime < 60:
-                    continue
             finally:
                 probe.close()
         except OSError:
