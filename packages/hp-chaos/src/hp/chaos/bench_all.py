@@ -37,6 +37,8 @@ SUITE: dict[str, tuple[list[str], list[str]]] = {
     "elastic": ([], ["--steps", "60", "--kill-step", "4"]),
     "exact": ([], ["--model-size", "tiny", "--steps", "6"]),
     "init": ([], ["--ranks", "2,4", "--repeats", "1"]),  # hp-core's: rootless vs TCPStore process-group init
+    # hp-core's: what learning about generations costs the store, per-rank polling vs the node relay
+    "control": ([], ["--sizes", "16,32", "--processes", "2", "--repeats", "1", "--changes", "2", "--idle", "1"]),
 }
 
 
