@@ -139,7 +139,7 @@ class Agent:
             client = self._connect()
             assignment = self._rendezvous(client)
             self._start_services(client, assignment)
-            if self.cfg.relay:
+            if self.cfg.node_relay:
                 self._relay = Relay(lambda: self.store_backend.connect(assignment.store_host, assignment.store_port,
                                                                        job=self.cfg.run_id),
                                     self.token, self.cfg.node_rank, assignment.generation, log=say).start()
