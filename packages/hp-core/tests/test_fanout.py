@@ -192,6 +192,20 @@ def test_stopping_leaves_no_thread_socket_or_directory(store):
         Mirror(path)
 
 
+def test_a_stopped_relay_leaves_its_store_read_within_the_wait_an_exiting_agent_gives_it(store):
+    """An agent joins its relay's thread before it exits (RELAY_WAIT_S + 1): a daemon thread still inside
+    torch's C++ store read when the interpreter finalizes is killed mid-call (std::terminate, exit -6)."""
+    assert fanout.RELAY_WAIT_S <= 5.0  # what every exiting agent may wait for it
+    clients = []
+    relay = Relay(lambda: clients.append(counting(_client(store))) or clients[-1], TOKEN, node_rank=0,
+                  log=lambda m: None).start()  # the default wait
+    wait_for(lambda: clients and clients[0].requests >= 1, 10, "the relay's first read")
+    time.sleep(0.2)  # blocked in its read of plan 1, which nobody publishes
+    started = time.monotonic()
+    relay.stop(timeout_s=fanout.RELAY_WAIT_S + 1.0)
+    assert not relay._thread.is_alive() and time.monotonic() - started <= fanout.RELAY_WAIT_S + 1.0
+
+
 def test_a_mirror_that_lost_its_connection_resyncs():
     channel = Channel()
     try:

@@ -25,6 +25,7 @@ import tempfile
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
+from datetime import timedelta
 
 from torch.distributed.elastic.multiprocessing import Std
 from torch.distributed.elastic.multiprocessing.api import SignalException
@@ -34,7 +35,7 @@ from hp.core.config import RunConfig
 from hp.core.control_plane import ControlClient, ControlServer
 from hp.core.controller import Controller, ControllerConfig
 from hp.core.errors import ControlPlaneError, HpError
-from hp.core.fanout import Relay
+from hp.core.fanout import RELAY_WAIT_S, Relay
 from hp.core.plugins import get_backend, load_scaler
 from hp.core.protocol import EXIT_PREEMPTED, SCALING_POLICY_ENV, FailureAction, JobState, Verb, spare_holder, spare_id, worker_holder
 from hp.core.rescale import ElasticController
@@ -140,7 +141,9 @@ class Agent:
             assignment = self._rendezvous(client)
             self._start_services(client, assignment)
             if self.cfg.node_relay:
+                # connecting is bounded like a read (RELAY_WAIT_S): torch retries a refused connect in C++
                 self._relay = Relay(lambda: self.store_backend.connect(assignment.store_host, assignment.store_port,
+                                                                       timedelta(seconds=RELAY_WAIT_S),
                                                                        job=self.cfg.run_id),
                                     self.token, self.cfg.node_rank, assignment.generation, log=say).start()
             self._start_workers(assignment)
@@ -176,13 +179,13 @@ class Agent:
             return 1
         finally:
             self._stop_workers(signal.SIGTERM)
-            if self._relay is not None:
-                self._relay.stop()
             self.services.stop()
             if self._server:
                 self._server.stop()
             if self._store:
-                self._store.close()
+                self._store.close()  # after it, this node's relay read fails at once
+            if self._relay is not None:  # out of its store read before the interpreter exits (RELAY_WAIT_S)
+                self._relay.stop(timeout_s=RELAY_WAIT_S + 1.0)
             if self._replica is not None:
                 self._replica.stop()  # releases the lease if it leads: a standby takes over at once
             if self._forming is not None:

@@ -60,7 +60,11 @@ if TYPE_CHECKING:
     import torch.distributed as dist
 
 FANOUT_ENV = "HP_FANOUT_SOCKET"  # set by the agent in each worker's environment: the channel's socket path
-RELAY_WAIT_S = 30.0  # a relay's blocking read of the store is re-issued this often (one request each)
+# a relay's blocking read of the store is re-issued this often (one request each: at idle 0.5 request/s per
+# node). Short because an agent waits this long at most for its relay to leave a TCPStore read before it
+# exits: a daemon thread still inside torch's C++ read when the interpreter finalizes is killed mid-call
+# (std::terminate, exit -6: the fresh-clone run with the relay on every job, once node 0 closed its store)
+RELAY_WAIT_S = 2.0
 KEEP_PLANS = 4  # plans of older generations leave the channel (a 16k-rank plan is ~0.4 MB)
 FORGED_RETRY_S = 0.1  # a forged value at the key the relay waits for is read again this often
 ASSIGNMENT_RETRY_S = (0.002, 1.0)  # a promoted spare's assignment is read again from 2 ms, doubling to 1 s
@@ -361,7 +365,8 @@ class Relay:
 
     def stop(self, timeout_s: float = 0.0) -> None:
         """Close the channel now; the (daemon) thread ends once its store read does, within ``wait_s``:
-        wait ``timeout_s`` at most for that."""
+        wait ``timeout_s`` at most for that (a process about to exit waits ``wait_s`` + 1: see
+        :data:`RELAY_WAIT_S`)."""
         self._stop.set()
         if self.channel is not None:
             self.channel.close()
