@@ -58,12 +58,21 @@ def test_a_recovered_fault_meets_every_expectation():
                                                       "replay": 0.6})
     # the fault at 3.5 s cost the wall time from the last commit before it (3.0) to the next (4.5) less
     # one step at the run's median pace (1 s): 0.5 s of a 7.5 s window (first to last commit)
-    assert r["goodput"] == pytest.approx(1 - 0.5 / 7.5) == goodput(faulted().result, [(3.5, 0.0)])
+    assert r["goodput"] == pytest.approx(1 - 0.5 / 7.5) == goodput(faulted().result, [(3.5, 0.0, 4)])
     assert goodput(faulted().result, []) == 1.0  # no fault, no cost, whatever the jitter
     # an outage lasting 2 s from 3.5: its aftermath runs to the first commit after 5.5 (6.5): 3.5 s of
     # wall time for 3 steps
-    assert goodput(faulted().result, [(3.5, 2.0)]) == pytest.approx(1 - 0.5 / 7.5)
+    assert goodput(faulted().result, [(3.5, 2.0, 4)]) == pytest.approx(1 - 0.5 / 7.5)
     assert r["recoveries"] == 1 and r["losses"]["faulted"]["7"] == [pytest.approx(4.3)]
+
+
+def test_a_straggler_is_charged_even_when_rank_0_commits_the_previous_step_after_it_fired():
+    """A fresh-clone run: rank 1 entered step 2 and was slowed 1 s while rank 0 still committed step 1,
+    5 ms after the fault; an aftermath ending at that commit charged nothing (goodput 1.0)."""
+    times = [0.0, 0.111, 1.118, 2.168, 2.252, 2.320]  # commits of steps 0..5; the fault at 0.106, in step 2
+    run = RunResult(0, 3.0, [commit(t, s, 1.0) for s, t in enumerate(times)], "")
+    # from step 0's commit to step 2's: 1.118 s for 2 steps at the median pace (0.111 s)
+    assert goodput(run, [(0.106, 0.0, 2)]) == pytest.approx(1 - (1.118 - 2 * 0.111) / 2.32)
 
 
 @pytest.mark.parametrize("expect, run, unmet", [

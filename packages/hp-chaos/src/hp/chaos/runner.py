@@ -159,22 +159,26 @@ def _next_commit(events: list[dict], t0: float, step: int) -> float | None:
                  and e["t"] >= t0 and e["step"] >= step), None)
 
 
-def goodput(faulted: RunResult, faults: list[tuple[float, float]]) -> float | None:
+def goodput(faulted: RunResult, faults: list[tuple[float, float, int]]) -> float | None:
     """The faulted run's goodput (see the module docstring) under ``faults`` (fault time, how long it
-    lasts: 0, or a storage outage's or partition's ``duration_s``, which the aftermath covers too);
-    None with fewer than two commits."""
+    lasts: 0, or a storage outage's or partition's ``duration_s``, which the aftermath covers too, and the
+    step it hit); None with fewer than two commits. A fault's aftermath ends at rank 0's first commit
+    after it (and its duration) of the step it hit or a later one: rank 0 may still be committing the
+    previous step when a faster rank enters the fault's step (as for ``recovery_s``)."""
     got = sorted((e for e in faulted.events if e["event"] == Event.COMMIT and e.get("rank") == 0),
                  key=lambda e: e["t"])
     seen: set[int] = set()
-    commits = [e["t"] for e in got if not (e["step"] in seen or seen.add(e["step"]))]  # new steps only
+    new = [(e["t"], e["step"]) for e in got if not (e["step"] in seen or seen.add(e["step"]))]  # new steps only
+    commits = [t for t, _ in new]
     if len(commits) < 2 or commits[-1] <= commits[0]:
         return None
     start, end = commits[0], commits[-1]
     pace = statistics.median(b - a for a, b in zip(commits, commits[1:]))
-    during = sorted((t, d) for t, d in faults if start <= t < end)
+    during = sorted(f for f in faults if start <= f[0] < end)
     aftermaths = [{"t": t, "recovery_s": None,
-                   "until": min(next((c for c in commits if c > t + d), end), *[u for u, _ in during[i + 1:i + 2]], end)}
-                  for i, (t, d) in enumerate(during)]
+                   "until": min(next((c for c, s in new if c > t + d and s >= step), end),
+                                *[u for u, _, _ in during[i + 1:i + 2]], end)}
+                  for i, (t, d, step) in enumerate(during)]
     bench_goodput.charge(aftermaths, commits, pace, start)
     return bench_goodput.goodput([f["cost_s"] for f in aftermaths], end - start)
 
@@ -228,7 +232,7 @@ def evaluate(scenario: Scenario, reference: RunResult, run: JobRun, persisted: d
         f["failover_s"] = failover(elections, f["t"]) if run.store == "etcd" and spec.target.kind == "controller" \
             else None
     recoveries = len({e["generation"] for e in events if e["event"] == Event.FAILURE_DETECTED})
-    gp = goodput(faulted, [(f["t"], spec.params.get("duration_s") or 0.0)
+    gp = goodput(faulted, [(f["t"], spec.params.get("duration_s") or 0.0, f["step"])
                            for f, spec in zip(faults, scenario.faults) if f["t"] is not None])
     elastic = _elastic(scenario, reference, faulted) if scenario.job.elastic is not None else None
     if elastic is not None and "bitwise_equal" in elastic:
