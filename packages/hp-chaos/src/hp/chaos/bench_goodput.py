@@ -163,7 +163,7 @@ def _fault_free(cfg: GoodputConfig, root: str, env: dict[str, str], last_step: i
             if job.proc.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"the fault-free job did not reach step {last_step} (exit {job.proc.poll()})"
                                    f":\n{job.output()[-2000:]}")
-            time.sleep(0.1)
+            time.sleep(0.5)  # past the window: each look reads every rank's events
         if job.stop() is not None:
             raise RuntimeError(f"the fault-free job ended early (exit {job.proc.returncode}):\n{job.output()[-2000:]}")
     finally:
