@@ -8,8 +8,8 @@ state (:func:`hp.checkpointless.demo.run.compare_state`), against the reference;
 
 **goodput** is ``hp bench goodput``'s (:func:`hp.chaos.bench_goodput.goodput`): 1 - the time the
 faults cost / the faulted run's training window (rank 0's first to last commit), each fault's cost
-being its aftermath (the last commit before it -> rank 0's first commit after it, or after its
-``duration_s`` for an outage, cut at the next fault) minus the new steps committed in it at the run's median step, never below 0: in [0, 1] by
+being its aftermath (the last commit before it -> rank 0's first commit after it of the step it hit or
+a later one, or after its ``duration_s`` for an outage, cut at the next fault) minus the new steps committed in it at the run's median step, never below 0: in [0, 1] by
 construction. The run's own pace (its median step), not the reference's, because a shared machine's
 load differs between two runs. Start-up (imports, model build) is the same with or without faults and
 dominates a tiny job: it is outside the window.
