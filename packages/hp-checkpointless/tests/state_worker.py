@@ -92,7 +92,7 @@ def transfer(rank: int, res: dict) -> None:
         model, opt, sched = build()
         for _ in range(3):
             train_step(model, opt, sched)
-        sends = counting("send")
+        sends = counting("isend")
         st.send_state(st.capture(model, opt, sched, extra), 1)
         res["digest"] = digest(st.capture(model, opt, sched, extra))
         res["sends"] = [sends[0]]
@@ -109,7 +109,7 @@ def transfer(rank: int, res: dict) -> None:
     else:
         torch.manual_seed(123), random.seed(1), np.random.seed(1)
         model, opt, sched = build()  # fresh: the optimizer has no state yet
-        recvs = counting("recv")
+        recvs = counting("irecv")
         got = st.recv_state(0)
         res["recvs"] = [recvs[0]]
         restored_extra = st.restore(got, model, opt, sched)

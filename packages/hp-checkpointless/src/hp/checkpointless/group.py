@@ -7,7 +7,7 @@ released); every tensor handed to a collective stays referenced from Python by i
 worker threads never need the GIL while the teardown waits for them; and whatever else holds the
 group (a ZeroRedundancyOptimizer) lets go of it first (``on_release``). Forming reads the rendezvous
 keys through :class:`FormingStore`, so a peer that died after the arrival barrier costs a re-form, not
-the group's whole init timeout.
+the group's whole init timeout, and bounds gloo's connects by :data:`CONNECT_TIMEOUT`.
 """
 
 from __future__ import annotations
@@ -25,11 +25,19 @@ from hp.checkpointless.recovery import CollectiveError, RecoveryMachine
 from hp.core.protocol import Event
 
 
+# How long forming waits for a peer that published its address and died before it connected: a wait
+# inside gloo's C++ that nothing can abandon (without a bound of its own it lasts five times the group's
+# timeout, 300 s with the default 60 s). A live peer connects within milliseconds of publishing.
+CONNECT_TIMEOUT = timedelta(seconds=10)
+
+
 class FormingStore(dist.Store):
     """The store a group's init reads its peers' rendezvous keys from: it gives up (``CollectiveError``)
     as soon as ``abandoned()`` says why (the watch thread saw a newer generation), where the backend
     would wait out its whole timeout for a peer that died after arriving. Waits block on the store in
-    slices of ``slice_s`` (one request per slice per rank while forming; nothing polls in between)."""
+    slices of ``slice_s`` (one request per slice per rank while forming; nothing polls in between), up to
+    ``timeout`` however short a timeout the backend passes (gloo passes the short init timeout that
+    bounds its connects: see :data:`CONNECT_TIMEOUT`)."""
 
     def __init__(self, store: dist.Store, abandoned: Callable[[], str | None], timeout: timedelta,
                  slice_s: float = 0.2) -> None:
@@ -38,7 +46,7 @@ class FormingStore(dist.Store):
         self._timeout_s, self._slice = timeout.total_seconds(), timedelta(seconds=slice_s)
 
     def wait(self, keys: list[str], timeout: timedelta | None = None) -> None:
-        limit = self._timeout_s if timeout is None else timeout.total_seconds()
+        limit = self._timeout_s if timeout is None else max(timeout.total_seconds(), self._timeout_s)
         deadline = time.monotonic() + limit
         while True:
             why = self._abandoned()
@@ -74,7 +82,7 @@ class FormingStore(dist.Store):
         return self._store.num_keys()
 
     def set_timeout(self, timeout: timedelta) -> None:
-        self._timeout_s = timeout.total_seconds()
+        self._timeout_s = max(timeout.total_seconds(), self._timeout_s)
 
 
 class GroupLink:
@@ -95,7 +103,8 @@ class GroupLink:
         base = self._hosted_store(forming_store) if forming_store else self._store
         store = FormingStore(base, self._machine.superseded, self._pg_timeout)
         with self._lock:
-            self._transport.init_process_group(store, rank, world_size, generation, self._pg_timeout)
+            self._transport.init_process_group(store, rank, world_size, generation, self._pg_timeout,
+                                               connect_timeout=min(CONNECT_TIMEOUT, self._pg_timeout))
             self.live = True
         self._forming_store = store  # the group holds it: kept referenced from Python while the group lives
         self.rank, self.world_size = rank, world_size

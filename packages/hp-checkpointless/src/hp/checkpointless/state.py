@@ -20,6 +20,7 @@ import math
 import zlib
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
+from datetime import timedelta
 from typing import Any
 
 import torch
@@ -245,6 +246,17 @@ def _move(op: Op, t: torch.Tensor, stage: str, peer: int) -> None:
                                  f"(peer died or timed out?): {e}") from e
 
 
+def _timeout(group: Any) -> timedelta:
+    """The group's collective timeout, for a send's or a receive's wait: gloo fixes their default at init,
+    and a group formed with a short connect bound (``group.CONNECT_TIMEOUT``) would time them out by it.
+    0 (the backend's default) where the group has no CPU backend."""
+    pg = group if group is not None else dist.distributed_c10d._get_default_group()
+    try:
+        return pg._get_backend(torch.device("cpu")).options._timeout
+    except (RuntimeError, AttributeError):
+        return timedelta(0)
+
+
 def _transmit(frames: Sequence[torch.Tensor], op: Op, peer: int) -> None:
     for stage, t in zip(("header", "json", "buffer"), frames):
         _move(op, t, stage, peer)
@@ -306,7 +318,7 @@ def _receive(op: Op, peer: int, template: Mapping[str, Any] | None, buffer: Stat
 def send_state(state: Mapping[str, Any], dst: int, group: Any = None, *,
                buffer: StateBuffer | None = None) -> None:
     """Send `state` to rank `dst` in 3 messages; pass a kept `buffer` to avoid re-faulting pages."""
-    _transmit(_encode(state, buffer), lambda t: dist.send(t, dst, group=group), dst)
+    _transmit(_encode(state, buffer), lambda t: dist.isend(t, dst, group=group).wait(_timeout(group)), dst)
 
 
 def recv_state(src: int, template: Mapping[str, Any] | None = None, group: Any = None, *,
@@ -317,7 +329,8 @@ def recv_state(src: int, template: Mapping[str, Any] | None = None, group: Any =
     big enough; it is overwritten by every receive, even a failed one). With `template` (same structure)
     its tensors are overwritten in place, only after every check passed, and returned.
     """
-    return _receive(lambda t: dist.recv(t, src, group=group), src, template, buffer, max_bytes)
+    return _receive(lambda t: dist.irecv(t, src, group=group).wait(_timeout(group)), src, template, buffer,
+                    max_bytes)
 
 
 def broadcast_state(state: Mapping[str, Any] | None, src: int, group: Any = None, *,

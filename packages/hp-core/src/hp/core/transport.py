@@ -48,23 +48,39 @@ class TransportBackend:
         world_size: int,
         generation: int,
         timeout: timedelta = timedelta(minutes=10),
+        connect_timeout: timedelta | None = None,
     ) -> None:
-        """Initialise the default process group of ``generation`` on a generation-prefixed store."""
+        """Initialise the default process group of ``generation`` on a generation-prefixed store;
+        its collectives time out after ``timeout``.
+
+        ``connect_timeout`` bounds the wait for a peer that published its address and died before it
+        connected (without it, gloo waits five times ``timeout``). Pass it only with a store whose
+        waits keep their own bound (gloo hands them the shorter init timeout) and make point-to-point
+        waits pass their own timeout (``Work.wait(timeout)``): gloo fixes their default at init."""
         import torch.distributed as dist
+        from torch.distributed.distributed_c10d import _set_pg_timeout
 
         self.check_available()
+        init_timeout = self.init_timeout(timeout, connect_timeout)
         try:
             dist.init_process_group(
                 self.torch_backend,
                 store=dist.PrefixStore(generation_prefix(generation), store),
                 rank=rank,
                 world_size=world_size,
-                timeout=timeout,
+                timeout=init_timeout,
             )
         except BaseException:
             if not dist.is_initialized():
                 _forget_failed_group()
             raise
+        if init_timeout != timeout:
+            _set_pg_timeout(timeout)  # torch has no public setter; the group's collectives get ``timeout``
+
+    def init_timeout(self, timeout: timedelta, connect_timeout: timedelta | None) -> timedelta:
+        """The timeout to initialise the group with so that a first connect waits at most
+        ``connect_timeout``. A backend that connects lazily (nccl) initialises with ``timeout``."""
+        return timeout
 
     def abort(self) -> None:
         """Tear down the default process group of a failed generation so that peers blocked in
@@ -99,6 +115,16 @@ class GlooTransport(TransportBackend):
 
         if not dist.is_gloo_available():
             raise BackendUnavailableError("transport 'gloo' is not built into this torch")
+
+    def init_timeout(self, timeout: timedelta, connect_timeout: timedelta | None) -> timedelta:
+        # gloo's tcp pair waits GLOO_CONNECT_FACTOR times its timeout for the first connect (pair.h)
+        if connect_timeout is None:
+            return timeout
+        return min(timeout, connect_timeout / GLOO_CONNECT_FACTOR)
+
+
+# gloo/transport/tcp/pair.h, Pair::waitUntil: "Use a longer timeout when waiting for initial connect"
+GLOO_CONNECT_FACTOR = 5
 
 
 def efa_devices(sysfs: str = "/sys/class/infiniband") -> list[str]:
