@@ -104,8 +104,8 @@ def test_forged_store_values_are_refused_and_the_job_is_bit_identical(job_env, t
     assert writes[0] > 10  # the attack ran during the job
     refused = [e for e in events if e["event"] == "store_value_refused"]
     refused_keys = {e["key"] for e in refused}
-    # without the node relay (a tcp job's default) the workers read the forged generation key and refuse it;
-    # with it (hp.core.fanout), the forged plan 2 reaches them through the relay, sealed bytes unchanged,
+    # without the node relay (--no-node-relay) the workers read the forged generation key and refuse it;
+    # with it (hp.core.fanout, the default), the forged plan 2 reaches them through the relay, sealed bytes unchanged,
     # and they refuse that (they no longer read the generation key)
     assert refused_keys & {GENERATION_KEY, plan_key(2)}, refused_keys
     assert refused_keys <= {*ONCE, GENERATION_KEY, plan_key(99)}, refused_keys

@@ -140,7 +140,7 @@ class Agent:
             client = self._connect()
             assignment = self._rendezvous(client)
             self._start_services(client, assignment)
-            if self.cfg.relay:
+            if self.cfg.node_relay:
                 # connecting is bounded like a read (RELAY_WAIT_S): torch retries a refused connect in C++
                 self._relay = Relay(lambda: self.store_backend.connect(assignment.store_host, assignment.store_port,
                                                                        timedelta(seconds=RELAY_WAIT_S),

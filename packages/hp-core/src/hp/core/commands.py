@@ -56,9 +56,9 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
            "the same --run-id)")
     a("--controller-port", type=int, default=0,
       help="--store etcd: the port this node serves the controller on when elected (default: any free one)")
-    a("--node-relay", action=argparse.BooleanOptionalAction, default=None,
+    a("--node-relay", action=argparse.BooleanOptionalAction, default=True,
       help="workers learn new generations from this node's agent (one blocking watcher of the store per node, "
-           "hp.core.fanout) instead of each polling the store; default: on with --store etcd, off with tcp")
+           "hp.core.fanout; the default) instead of each polling the store (--no-node-relay)")
     a("--controller-lease", type=int, default=2,
       help="--store etcd: seconds of the controller's lease in etcd: a standby takes over this long after "
            "the leader's node dies")

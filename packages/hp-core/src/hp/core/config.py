@@ -103,9 +103,8 @@ class RunConfig:
     store_endpoint: str | None = None
     controller_port: int = 0  # HA: where this node's replica serves the controller when it leads (0: any)
     controller_lease_s: int = 2  # HA: TTL of the controller's lease in etcd (whole seconds): the failover time
-    # the node's relay of generations to its workers (hp.core.fanout); None: on with the etcd store, off with
-    # tcp (there an elastic grow re-formed while a rank died once hung with it: elastic-kill-during-grow)
-    node_relay: bool | None = None
+    # the node's relay of generations to its workers (hp.core.fanout); off: each worker polls the store
+    node_relay: bool = True
 
     def validate(self) -> None:
         check_name(self.run_id, "--run-id")
@@ -156,11 +155,6 @@ class RunConfig:
         Shorter than the controller's timeout by two heartbeats (and counted from the *send* time of
         the last answered beat): a cut-off node is dead before its ranks are given to other nodes."""
         return max(self.heartbeat_interval_s, self.heartbeat_timeout_s - 2 * self.heartbeat_interval_s)
-
-    @property
-    def relay(self) -> bool:
-        """Whether this node's workers learn generations from the agent's relay instead of the store."""
-        return self.node_relay if self.node_relay is not None else self.store == "etcd"
 
     @property
     def ha(self) -> bool:
