@@ -26,6 +26,14 @@ if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null && ! command -v etcd >/de
     { command -v systemctl && systemctl disable --now etcd; } >/dev/null 2>&1 || true
 fi
 
+# The `slurm` scheduler backend's tests run a real Slurm (hp.core.slurm_cluster: munged, slurmctld and a
+# slurmd per fake node, on free ports, in a private directory); no system daemon is left running.
+if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null && ! command -v slurmctld >/dev/null 2>&1; then
+    apt-get install -y -qq slurm-wlm munge >/dev/null 2>&1 \
+        || { apt-get update -qq && apt-get install -y -qq slurm-wlm munge >/dev/null; }
+    { command -v systemctl && systemctl disable --now munge slurmd slurmctld; } >/dev/null 2>&1 || true
+fi
+
 [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv
 .venv/bin/python -m pip install -qq --upgrade "pip>=24" "setuptools>=69" wheel
 .venv/bin/python -m pip install -qq "$HP_TORCH"

@@ -30,6 +30,8 @@ _EXPORTS = {
     "CONTROLLER_KEY": "hp.core.protocol", "ControllerReplica": "hp.core.leader", "LeaderResolver": "hp.core.leader",
     "Lease": "hp.core.leader", "StateKeeper": "hp.core.leader",
     "Relay": "hp.core.fanout", "Mirror": "hp.core.fanout",
+    "SlurmScheduler": "hp.core.slurm", "SlurmCli": "hp.core.slurm", "SlurmError": "hp.core.slurm",
+    "LocalSlurm": "hp.core.slurm_cluster",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -2,6 +2,7 @@
 
 Schedulers that TorchX already drives (local_cwd, slurm, kubernetes) submit through TorchX's
 runner; hp adds what TorchX does not model: host lists and capacity signals for elastic decisions.
+``local`` is here; ``slurm`` is :mod:`hp.core.slurm`.
 """
 
 from __future__ import annotations
@@ -100,4 +101,6 @@ def _read_count(path: str | None) -> int | None:
 
 @hookimpl
 def hp_scheduler_backends() -> list[SchedulerBackend]:
-    return [LocalScheduler()]
+    from hp.core.slurm import SlurmScheduler  # imports this module
+
+    return [LocalScheduler(), SlurmScheduler()]

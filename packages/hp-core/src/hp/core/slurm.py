@@ -1,0 +1,224 @@
+"""The ``slurm`` scheduler backend: hosts, capacity, submission and cancellation on a Slurm cluster.
+
+Everything goes through Slurm's own commands (``sinfo``/``squeue`` with ``--json``, ``scontrol``,
+``sbatch``, ``scancel``), so it needs nothing but a client configured for the cluster (``SLURM_CONF``
+or ``/etc/slurm/slurm.conf``) and no accounting. TorchX's slurm scheduler submits an ``AppDef``
+(:meth:`SlurmScheduler.submit`, a heterogeneous ``sbatch`` job, one ``srun`` for all roles), but reads
+a job's state only through ``sacct`` (slurmdbd accounting) and reports PREEMPTED as FAILED: hp reads
+state from ``squeue`` instead (:meth:`SlurmScheduler.state`, :meth:`SlurmScheduler.wait`).
+
+Capacity (``hp run --scheduler slurm``; ``source`` names the partition, else the job's own): the hosts
+the job could use now are the partition's idle nodes plus the nodes it holds; a pending job of a
+partition with a higher ``PriorityTier`` that shares nodes with this one is preemption on its way.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from hp.core.errors import BackendUnavailableError, UsageError
+from hp.core.scheduler import Capacity, SchedulerBackend
+
+if TYPE_CHECKING:
+    from torchx.specs import AppDef
+
+CLI_TIMEOUT_S = 30.0
+FREE_STATES = frozenset({"idle"})  # a node Slurm would give to a new job now
+WAITING_FOR_NODES = frozenset({"Resources", "Priority", "None"})  # None: not yet looked at by the scheduler
+ACTIVE_JOB_STATES = frozenset({"PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "SUSPENDED", "REQUEUED",
+                               "REQUEUE_HOLD", "RESIZING", "SIGNALING", "STAGE_OUT"})
+
+
+class SlurmError(UsageError):
+    """A Slurm command failed or is missing: one line, with the command and Slurm's own message."""
+
+
+@dataclass(frozen=True)
+class SlurmNode:
+    name: str
+    state: str  # sinfo's base state, lower case: idle, allocated, mixed, down, drained, ...
+    cpus: int
+    partitions: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class SlurmJob:
+    job_id: str
+    partition: str
+    state: str  # squeue's JOB_STATE: PENDING, RUNNING, ...
+    nodes: str  # a Slurm node list (n[1-2]); empty while pending
+    node_count: int
+    reason: str = "None"  # why it pends: Resources, Priority, JobHeldUser, BeginTime, Dependency, ...
+    het_job_id: str = ""  # a heterogeneous job's components (TorchX submits one) share it
+
+    @property
+    def active(self) -> bool:
+        return self.state in ACTIVE_JOB_STATES
+
+
+class SlurmCli:
+    """Slurm's client commands, run with ``env`` (e.g. ``SLURM_CONF``) over the process's own."""
+
+    def __init__(self, env: Mapping[str, str] | None = None, timeout_s: float = CLI_TIMEOUT_S) -> None:
+        self._env = {**os.environ, **(env or {})}
+        self._timeout = timeout_s
+
+    def available(self) -> bool:
+        return shutil.which("sinfo", path=self._env.get("PATH")) is not None
+
+    def run(self, *argv: str) -> str:
+        if shutil.which(argv[0], path=self._env.get("PATH")) is None:
+            raise BackendUnavailableError(f"slurm: `{argv[0]}` is not on PATH (is this a Slurm client?)")
+        try:
+            done = subprocess.run(argv, env=self._env, capture_output=True, text=True, timeout=self._timeout)
+        except subprocess.TimeoutExpired:
+            raise SlurmError(f"slurm: `{' '.join(argv[:3])}` did not answer in {self._timeout:g} s") from None
+        if done.returncode != 0:
+            why = (done.stderr.strip() or done.stdout.strip() or f"exit {done.returncode}").splitlines()[-1]
+            raise SlurmError(f"slurm: `{' '.join(argv[:3])}` failed: {why}")
+        return done.stdout
+
+    def _json(self, *argv: str) -> dict:
+        try:
+            return json.loads(self.run(*argv, "--json"))
+        except json.JSONDecodeError as e:
+            raise SlurmError(f"slurm: `{argv[0]} --json` printed no JSON ({e})") from None
+
+    def nodes(self, partition: str | None = None) -> list[SlurmNode]:
+        out = self._json("sinfo", *(("-p", partition) if partition else ()))
+        return [SlurmNode(n["name"], str(n["state"]).lower(), int(n["cpus"]), tuple(n.get("partitions") or ()))
+                for n in out.get("nodes", [])]
+
+    def jobs(self) -> list[SlurmJob]:
+        out = self._json("squeue")
+        return [SlurmJob(str(j["job_id"]), j["partition"], str(j["job_state"]), j.get("nodes") or "",
+                         int(j.get("node_count") or 0), str(j.get("state_reason") or "None"),
+                         str(j.get("het_job_id") or "")) for j in out.get("jobs", [])]
+
+    def partition(self, name: str) -> dict[str, str]:
+        """``scontrol show partition NAME`` as a dict; :class:`SlurmError` for a partition Slurm lacks."""
+        try:
+            line = self.run("scontrol", "-o", "show", "partition", name).strip()
+        except SlurmError as e:
+            raise SlurmError(f"slurm: unknown partition {name!r} ({e})") from None
+        return dict(field.split("=", 1) for field in line.split() if "=" in field)
+
+    def default_partition(self) -> str:
+        for line in self.run("scontrol", "-o", "show", "partition").splitlines():
+            fields = dict(f.split("=", 1) for f in line.split() if "=" in f)
+            if fields.get("Default") == "YES":
+                return fields["PartitionName"]
+        raise SlurmError("slurm: the cluster has no default partition: name one")
+
+    def hostnames(self, nodelist: str) -> list[str]:
+        return self.run("scontrol", "show", "hostnames", nodelist).split() if nodelist else []
+
+    def sbatch(self, script: str, *options: str) -> str:
+        """Submit ``script`` (its text) with ``options``; the job id."""
+        argv = ("sbatch", "--parsable", *options)
+        if shutil.which("sbatch", path=self._env.get("PATH")) is None:
+            raise BackendUnavailableError("slurm: `sbatch` is not on PATH (is this a Slurm client?)")
+        try:
+            done = subprocess.run(argv, input=script, env=self._env, capture_output=True, text=True,
+                                  timeout=self._timeout)
+        except subprocess.TimeoutExpired:
+            raise SlurmError(f"slurm: sbatch did not answer in {self._timeout:g} s") from None
+        if done.returncode != 0:
+            raise SlurmError(f"slurm: sbatch failed: {(done.stderr.strip() or 'no message').splitlines()[-1]}")
+        return done.stdout.strip().split(";")[0]
+
+    def scancel(self, job_id: str, signal: str | None = None) -> None:
+        self.run("scancel", *((f"--signal={signal}", "--full") if signal else ()), job_id)
+
+    def set_node_state(self, node: str, state: str, reason: str = "hp") -> None:
+        self.run("scontrol", "update", f"NodeName={node}", f"State={state}", f"Reason={reason}")
+
+
+class SlurmScheduler(SchedulerBackend):
+    """Slurm through its client commands; ``AppDef`` submission through TorchX's slurm scheduler."""
+
+    name = "slurm"
+    torchx_scheduler = "slurm"
+
+    def __init__(self, env: Mapping[str, str] | None = None) -> None:
+        self.cli = SlurmCli(env)
+        self._env = {**os.environ, **(env or {})}
+
+    def hosts(self) -> list[str]:
+        """The nodes of the allocation this process runs in (``SLURM_JOB_NODELIST``)."""
+        nodelist = self._env.get("SLURM_JOB_NODELIST")
+        if not nodelist:
+            raise SlurmError("slurm: not inside a Slurm allocation (SLURM_JOB_NODELIST is not set)")
+        return self.cli.hostnames(nodelist)
+
+    def capacity(self, source: str | None = None) -> Capacity:
+        """``source``: the partition (default: this job's, else the cluster's default one)."""
+        partition = source or self._env.get("SLURM_JOB_PARTITION") or self.cli.default_partition()
+        mine = self.cli.partition(partition)
+        nodes = [n for n in self.cli.nodes(partition) if partition in n.partitions]
+        job_id = self._env.get("SLURM_JOB_ID")
+        jobs = self.cli.jobs()
+        held = set()
+        for job in jobs:
+            if job.job_id == job_id:
+                held = set(self.cli.hostnames(job.nodes))
+        usable = [n for n in nodes if n.state in FREE_STATES or n.name in held]
+        return Capacity(hosts=len(usable), slots_per_host=min((n.cpus for n in nodes), default=0),
+                        preemption_requested=self._preemption_pending(mine, {n.name for n in nodes}, jobs))
+
+    def _preemption_pending(self, mine: dict[str, str], my_nodes: set[str], jobs: list[SlurmJob]) -> bool:
+        """A job of a partition with a higher PriorityTier that shares nodes with ``mine`` waits for nodes
+        (reason Resources or Priority: not a held job, nor one waiting for its begin time or a dependency)."""
+        tier = int(mine.get("PriorityTier", "1"))
+        waiting = {j.partition for j in jobs if j.state == "PENDING" and j.reason in WAITING_FOR_NODES}
+        for partition in waiting - {mine["PartitionName"]}:
+            other = self.cli.partition(partition)
+            if int(other.get("PriorityTier", "1")) > tier and my_nodes & set(self.cli.hostnames(other.get("Nodes", ""))):
+                return True
+        return False
+
+    def submit(self, app: AppDef, cfg: dict | None = None) -> str:
+        """Submit through TorchX (``sbatch`` of a heterogeneous job); the TorchX handle
+        ``slurm://SESSION/JOBID``."""
+        self._require()
+        return super().submit(app, cfg)
+
+    def submit_script(self, script: str, *options: str) -> str:
+        """``sbatch`` a script of hp's own (a scaling unit joining a running job); the job id."""
+        return self.cli.sbatch(script, *options)
+
+    def state(self, handle: str) -> str | None:
+        """The job's Slurm state from ``squeue`` (no accounting needed): a heterogeneous job's is its
+        first active component's, else its first one's; None once Slurm forgot it (``MinJobAge``)."""
+        job_id = _job_id(handle)
+        parts = [j for j in self.cli.jobs() if job_id in (j.job_id, j.het_job_id)]
+        return next((j.state for j in parts if j.active), parts[0].state if parts else None)
+
+    def wait(self, handle: str, poll_s: float = 0.5):  # noqa: ANN201  (a Slurm state, not a TorchX AppStatus)
+        """Block until the job ended (COMPLETED, FAILED, CANCELLED, PREEMPTED, ...); that state, or None
+        if Slurm forgot it first."""
+        while (state := self.state(handle)) in ACTIVE_JOB_STATES:
+            time.sleep(poll_s)
+        return state
+
+    def cancel(self, handle: str) -> None:
+        self.cli.scancel(_job_id(handle))
+
+    def _require(self) -> None:
+        if not self.cli.available():
+            raise BackendUnavailableError("slurm: `sinfo` is not on PATH (is this a Slurm client?)")
+
+
+def _job_id(handle: str) -> str:
+    """``12``, or TorchX's ``slurm://SESSION/12``."""
+    job_id = handle.rsplit("/", 1)[-1]
+    if not job_id.replace("_", "").isdigit():
+        raise SlurmError(f"slurm: {handle!r} is not a Slurm job id")
+    return job_id
