@@ -73,12 +73,12 @@ def test_a_job_runs_on_its_nodes_sees_them_as_its_hosts_and_is_cancelled(slurm, 
     wait_for(lambda: sched.capacity().hosts == 3, 30, "its nodes back")
 
 
-def test_an_appdef_submitted_through_torchx_runs_every_replica(slurm, tmp_path):
+def test_an_appdef_submitted_through_torchx_runs_every_replica(slurm, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # TorchX notes its job dirs in ./.torchxslurmjobdirs
     out = tmp_path / "replicas"
     role = specs.Role("r", image=str(tmp_path), entrypoint="bash", num_replicas=2,
                       args=["-c", f"echo $SLURM_PROCID >> {out}"], resource=specs.Resource(cpu=1, gpu=0, memMB=100))
-    old = os.environ.get("SLURM_CONF")
-    os.environ["SLURM_CONF"] = slurm.env["SLURM_CONF"]  # TorchX runs sbatch with the process's environment
+    monkeypatch.setenv("SLURM_CONF", slurm.env["SLURM_CONF"])  # TorchX runs sbatch with the process's environment
     sched = SlurmScheduler(slurm.env)
     try:
         handle = sched.submit(specs.AppDef("probe", roles=[role]), {"partition": "low", "job_dir": str(tmp_path)})
@@ -86,10 +86,6 @@ def test_an_appdef_submitted_through_torchx_runs_every_replica(slurm, tmp_path):
         assert sched.wait(handle, 0.2) == "COMPLETED"  # from squeue: TorchX itself would need sacct
     finally:
         sched.close()
-        if old is None:
-            os.environ.pop("SLURM_CONF", None)
-        else:
-            os.environ["SLURM_CONF"] = old
     assert sorted(out.read_text().split()) == ["0", "1"]  # one task per replica, one srun over the parts
 
 
