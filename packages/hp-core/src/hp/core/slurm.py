@@ -73,16 +73,17 @@ class SlurmCli:
     def available(self) -> bool:
         return shutil.which("sinfo", path=self._env.get("PATH")) is not None
 
-    def run(self, *argv: str) -> str:
+    def run(self, *argv: str, stdin: str | None = None) -> str:
         if shutil.which(argv[0], path=self._env.get("PATH")) is None:
             raise BackendUnavailableError(f"slurm: `{argv[0]}` is not on PATH (is this a Slurm client?)")
         try:
-            done = subprocess.run(argv, env=self._env, capture_output=True, text=True, timeout=self._timeout)
+            done = subprocess.run(argv, input=stdin, env=self._env, capture_output=True, text=True,
+                                  timeout=self._timeout)
         except subprocess.TimeoutExpired:
-            raise SlurmError(f"slurm: `{' '.join(argv[:3])}` did not answer in {self._timeout:g} s") from None
+            raise SlurmError(f"slurm: {argv[0]} did not answer in {self._timeout:g} s") from None
         if done.returncode != 0:
             why = (done.stderr.strip() or done.stdout.strip() or f"exit {done.returncode}").splitlines()[-1]
-            raise SlurmError(f"slurm: `{' '.join(argv[:3])}` failed: {why}")
+            raise SlurmError(f"slurm: {argv[0]} failed: {why}")
         return done.stdout
 
     def _json(self, *argv: str) -> dict:
@@ -122,17 +123,7 @@ class SlurmCli:
 
     def sbatch(self, script: str, *options: str) -> str:
         """Submit ``script`` (its text) with ``options``; the job id."""
-        argv = ("sbatch", "--parsable", *options)
-        if shutil.which("sbatch", path=self._env.get("PATH")) is None:
-            raise BackendUnavailableError("slurm: `sbatch` is not on PATH (is this a Slurm client?)")
-        try:
-            done = subprocess.run(argv, input=script, env=self._env, capture_output=True, text=True,
-                                  timeout=self._timeout)
-        except subprocess.TimeoutExpired:
-            raise SlurmError(f"slurm: sbatch did not answer in {self._timeout:g} s") from None
-        if done.returncode != 0:
-            raise SlurmError(f"slurm: sbatch failed: {(done.stderr.strip() or 'no message').splitlines()[-1]}")
-        return done.stdout.strip().split(";")[0]
+        return self.run("sbatch", "--parsable", *options, stdin=script).strip().split(";")[0]
 
     def scancel(self, job_id: str, signal: str | None = None) -> None:
         self.run("scancel", *((f"--signal={signal}", "--full") if signal else ()), job_id)
