@@ -7,7 +7,7 @@ or ``/etc/slurm/slurm.conf``) and no accounting. TorchX's slurm scheduler submit
 a job's state only through ``sacct`` (slurmdbd accounting) and reports PREEMPTED as FAILED: hp reads
 state from ``squeue`` instead (:meth:`SlurmScheduler.state`, :meth:`SlurmScheduler.wait`).
 
-Capacity (``hp run --scheduler slurm``; ``source`` names the partition, else the job's own): the hosts
+Capacity (``source`` names the partition, else the job's own; ``hp run`` does not follow it yet): the hosts
 the job could use now are the partition's idle nodes plus the nodes it holds; a pending job of a
 partition with a higher ``PriorityTier`` that shares nodes with this one is preemption on its way.
 """
@@ -103,20 +103,20 @@ class SlurmCli:
                          int(j.get("node_count") or 0), str(j.get("state_reason") or "None"),
                          str(j.get("het_job_id") or "")) for j in out.get("jobs", [])]
 
-    def partition(self, name: str) -> dict[str, str]:
-        """``scontrol show partition NAME`` as a dict; :class:`SlurmError` for a partition Slurm lacks."""
-        try:
-            line = self.run("scontrol", "-o", "show", "partition", name).strip()
-        except SlurmError as e:
-            raise SlurmError(f"slurm: unknown partition {name!r} ({e})") from None
-        return dict(field.split("=", 1) for field in line.split() if "=" in field)
-
-    def default_partition(self) -> str:
+    def partitions(self) -> dict[str, dict[str, str]]:
+        """Every partition's ``scontrol -o show partition`` fields, by name (one call)."""
+        out = {}
         for line in self.run("scontrol", "-o", "show", "partition").splitlines():
             fields = dict(f.split("=", 1) for f in line.split() if "=" in f)
-            if fields.get("Default") == "YES":
-                return fields["PartitionName"]
-        raise SlurmError("slurm: the cluster has no default partition: name one")
+            if "PartitionName" in fields:
+                out[fields["PartitionName"]] = fields
+        return out
+
+    def default_partition(self) -> str:
+        default = next((name for name, f in self.partitions().items() if f.get("Default") == "YES"), None)
+        if default is None:
+            raise SlurmError("slurm: the cluster has no default partition: name one")
+        return default
 
     def hostnames(self, nodelist: str) -> list[str]:
         return self.run("scontrol", "show", "hostnames", nodelist).split() if nodelist else []
@@ -152,25 +152,27 @@ class SlurmScheduler(SchedulerBackend):
     def capacity(self, source: str | None = None) -> Capacity:
         """``source``: the partition (default: this job's, else the cluster's default one)."""
         partition = source or self._env.get("SLURM_JOB_PARTITION") or self.cli.default_partition()
-        mine = self.cli.partition(partition)
+        partitions = self.cli.partitions()
+        if partition not in partitions:
+            raise SlurmError(f"slurm: unknown partition {partition!r} (the cluster has {', '.join(sorted(partitions))})")
+        mine = partitions[partition]
         nodes = [n for n in self.cli.nodes(partition) if partition in n.partitions]
         job_id = self._env.get("SLURM_JOB_ID")
         jobs = self.cli.jobs()
-        held = set()
-        for job in jobs:
-            if job.job_id == job_id:
-                held = set(self.cli.hostnames(job.nodes))
+        own = next((job for job in jobs if job.job_id == job_id), None)
+        held = set(self.cli.hostnames(own.nodes)) if own is not None else set()
         usable = [n for n in nodes if n.state in FREE_STATES or n.name in held]
         return Capacity(hosts=len(usable), slots_per_host=min((n.cpus for n in nodes), default=0),
-                        preemption_requested=self._preemption_pending(mine, {n.name for n in nodes}, jobs))
+                        preemption_requested=self._preemption_pending(mine, partitions, {n.name for n in nodes}, jobs))
 
-    def _preemption_pending(self, mine: dict[str, str], my_nodes: set[str], jobs: list[SlurmJob]) -> bool:
+    def _preemption_pending(self, mine: dict[str, str], partitions: dict[str, dict[str, str]], my_nodes: set[str],
+                            jobs: list[SlurmJob]) -> bool:
         """A job of a partition with a higher PriorityTier that shares nodes with ``mine`` waits for nodes
         (reason Resources or Priority: not a held job, nor one waiting for its begin time or a dependency)."""
         tier = int(mine.get("PriorityTier", "1"))
         waiting = {j.partition for j in jobs if j.state == "PENDING" and j.reason in WAITING_FOR_NODES}
         for partition in waiting - {mine["PartitionName"]}:
-            other = self.cli.partition(partition)
+            other = partitions.get(partition, {})
             if int(other.get("PriorityTier", "1")) > tier and my_nodes & set(self.cli.hostnames(other.get("Nodes", ""))):
                 return True
         return False
