@@ -57,6 +57,7 @@ class SlurmJob:
     node_count: int
     reason: str = "None"  # why it pends: Resources, Priority, JobHeldUser, BeginTime, Dependency, ...
     het_job_id: str = ""  # a heterogeneous job's components (TorchX submits one) share it
+    name: str = ""
 
     @property
     def active(self) -> bool:
@@ -97,11 +98,14 @@ class SlurmCli:
         return [SlurmNode(n["name"], str(n["state"]).lower(), int(n["cpus"]), tuple(n.get("partitions") or ()))
                 for n in out.get("nodes", [])]
 
-    def jobs(self) -> list[SlurmJob]:
-        out = self._json("squeue")
-        return [SlurmJob(str(j["job_id"]), j["partition"], str(j["job_state"]), j.get("nodes") or "",
+    def jobs(self, names: list[str] | None = None) -> list[SlurmJob]:
+        """The jobs Slurm knows (ended ones for ``MinJobAge``); ``names``: only jobs of these names (filtered
+        here too: ``squeue --json`` of Slurm 22.05 ignores its filter options)."""
+        out = self._json("squeue", *((f"--name={','.join(names)}",) if names else ()))
+        jobs = [SlurmJob(str(j["job_id"]), j["partition"], str(j["job_state"]), j.get("nodes") or "",
                          int(j.get("node_count") or 0), str(j.get("state_reason") or "None"),
-                         str(j.get("het_job_id") or "")) for j in out.get("jobs", [])]
+                         str(j.get("het_job_id") or ""), str(j.get("name") or "")) for j in out.get("jobs", [])]
+        return [j for j in jobs if j.name in names] if names else jobs
 
     def partitions(self) -> dict[str, dict[str, str]]:
         """Every partition's ``scontrol -o show partition`` fields, by name (one call)."""

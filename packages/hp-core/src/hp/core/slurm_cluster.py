@@ -129,7 +129,7 @@ SchedulerType=sched/backfill
 SchedulerParameters=bf_interval=1
 SelectType=select/cons_tres
 SelectTypeParameters=CR_Core
-ReturnToService=2
+ReturnToService=1
 SlurmdTimeout={self.slurmd_timeout_s}
 MessageTimeout=5
 MpiDefault=none

@@ -77,7 +77,7 @@ def _env(extra: dict | None = None) -> dict:
             **(extra or {})}
 
 
-def _train(cfg: ElasticDemoConfig, policy: str) -> list[str]:
+def train_argv(cfg: ElasticDemoConfig, policy: str) -> list[str]:
     return ["-m", "hp.elastic.demo.train", "--steps", str(cfg.steps), "--policy", policy, "--model-size", cfg.model_size,
             "--seed", str(cfg.seed), "--corpus-mb", str(cfg.corpus_mb), *(["--exact"] if cfg.exact else []),
             *cfg.train_args]
@@ -118,7 +118,7 @@ class _Elastic:
         self.flags = ["--nnodes", "2:2", "--nproc-per-node", str(cfg.nproc_per_node), "--rdzv-endpoint",
                       f"127.0.0.1:{port}", "--scaling-policy", policy]
         self.env = _env()
-        self.train = _train(cfg, policy)
+        self.train = train_argv(cfg, policy)
         self.dirs = [os.path.join(root, d) for d in ("node0", "node1", "node1-again")]
         kill = [{"kind": "kill", "at_step": cfg.kill_step, "rank": 2 * cfg.nproc_per_node - 1, "phase": "forward"}]
         env = {**self.env, "HP_FAULTS": json.dumps(kill)}
@@ -194,7 +194,7 @@ def scale_events(events: list[dict]) -> list[dict]:
     return out
 
 
-def _lost_steps(events: list[dict], steps: int) -> int:
+def lost_steps(events: list[dict], steps: int) -> int:
     """Steps committed twice by one process (work redone) plus steps nobody committed."""
     seen: dict[tuple[int, int], int] = {}
     for e in events:
@@ -204,11 +204,11 @@ def _lost_steps(events: list[dict], steps: int) -> int:
     return sum(n - 1 for n in seen.values()) + missing
 
 
-def _reference(cfg: ElasticDemoConfig, root: str, policy: str) -> RunResult:
-    """The same job at a fixed size (all ranks on one node), no fault."""
+def reference_run(cfg: ElasticDemoConfig, root: str, policy: str, ranks: int | None = None) -> RunResult:
+    """The same job at a fixed size of ``ranks`` (default: the demo's full size), all on one node, no fault."""
     ref_dir = os.path.join(root, "reference")
     start = time.monotonic()
-    job = _Job(_agent(ref_dir, ["--nproc-per-node", str(2 * cfg.nproc_per_node)]) + _train(cfg, policy),
+    job = _Job(_agent(ref_dir, ["--nproc-per-node", str(ranks or 2 * cfg.nproc_per_node)]) + train_argv(cfg, policy),
                os.path.join(root, "reference.out"), _env())
     try:
         job.proc.wait(timeout=cfg.timeout_s)
@@ -224,7 +224,7 @@ def run_elastic_demo(cfg: ElasticDemoConfig) -> dict:
     with open(policy, "w") as f:
         f.write(POLICY.format(min=cfg.nproc_per_node, max=2 * cfg.nproc_per_node, global_batch=cfg.global_batch,
                               micro_batch=cfg.micro_batch))
-    reference = _reference(cfg, root, policy) if cfg.reference else None
+    reference = reference_run(cfg, root, policy) if cfg.reference else None
     run = _Elastic(cfg, root, policy)
     start = time.monotonic()
     try:
@@ -251,7 +251,7 @@ def run_elastic_demo(cfg: ElasticDemoConfig) -> dict:
     result = {
         "completed": completed, "exact": cfg.exact, "steps": cfg.steps,
         "bitwise_equal": loss_equal and state["state_equal"], "losses_equal": loss_equal,
-        **state, "lost_steps": _lost_steps(events, cfg.steps), "world_sizes": sequence,
+        **state, "lost_steps": lost_steps(events, cfg.steps), "world_sizes": sequence,
         "pause_s": [c["pause_s"] for c in changes], "events": changes,
         "step_s": {str(w): c["step_s"] for c in changes for w in [c["to"]]},
         # SIGTERM to the preempted node's agent -> that agent exited (its ranks left at a step boundary)

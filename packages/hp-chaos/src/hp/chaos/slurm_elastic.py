@@ -1,0 +1,251 @@
+"""An elastic hp job following a real Slurm (:class:`hp.core.slurm_cluster.LocalSlurm`) through its scale events.
+
+The job is ``hp slurm submit`` (:mod:`hp.core.slurm_job`) of the elastic demo (exact mode, a constant
+global batch): a base of ``min_nodes`` in partition ``high`` and one scaling unit per node above it in
+partition ``low``, one rank per node. Nothing here signals a process: Slurm does, and the run follows
+what Slurm decides.
+
+1. **grow**: another tenant's high-priority job holds the unit nodes when the job starts, so the units
+   wait in the queue; once the job has trained ``hold_steps`` steps at ``min_nodes`` the tenant's job is
+   cancelled, the units start and join (``min`` → ``max``);
+2. **preemption** (``cycles`` times): a high-priority job of ``max - min`` nodes is submitted; Slurm
+   preempts the units (SIGTERM, ``GraceTime``), their ranks leave at a step boundary (``max`` → ``min``),
+   the base submits them again; the high job ends after ``high_s`` and they grow the job back to ``max``;
+3. **node DOWN** (``node_down``): the node of the last unit is set DOWN (``scontrol update``): Slurm ends
+   its job and hp shrinks (``max`` → ``max - 1``); its new unit waits for a node that never comes back.
+
+Then the job trains to its last step. Its per-step losses and every rank's final state are compared,
+bit for bit, with a fixed-size run at the final size (:func:`hp.elastic.demo.run.reference_run`).
+``shrink_s``: the preemption notice (the controller's ``preempt`` decision: the unit's agent asks to
+leave when Slurm's SIGTERM arrives) → the first commit at the smaller size; ``grow_s``: capacity back
+(the high job's last instant, written by the job itself) → the first commit at ``max`` again.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import statistics
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+
+from hp.core.slurm import SlurmCli
+from hp.core.slurm_cluster import LocalSlurm
+from hp.core.slurm_job import SlurmJobSpec, submit
+from hp.core.testing import free_port
+
+POLL_S = 0.2
+
+
+@dataclass
+class SlurmElasticConfig:
+    steps: int = 400
+    min_nodes: int = 2
+    max_nodes: int = 4
+    global_batch: int = 48
+    micro_batch: int = 4
+    model_size: str = "tiny"
+    corpus_mb: int = 16
+    seed: int = 0
+    exact: bool = True
+    hold_steps: int = 10  # steps at a size before the next event
+    cycles: int = 1  # preemptions (each followed by capacity coming back)
+    high_s: float = 2.0  # how long the preempting job runs
+    node_down: bool = True
+    grace_s: int = 5  # the unit partition's GraceTime
+    reference: bool = True
+    log_dir: str | None = None
+    timeout_s: float = 480.0
+
+
+class _Failed(Exception):
+    pass
+
+
+class _Run:
+    """The job on the local Slurm, and what its logs say."""
+
+    def __init__(self, cfg: SlurmElasticConfig, slurm: LocalSlurm, root: str, policy: str, train: list[str]) -> None:
+        self.cfg, self.slurm, self.root = cfg, slurm, root
+        self.cli = SlurmCli({**slurm.env, "OMP_NUM_THREADS": "1"})  # exported to every job: exact mode
+        self.spec = SlurmJobSpec(
+            entrypoint=train, job_dir=os.path.join(root, "job"), min_nodes=cfg.min_nodes, max_nodes=cfg.max_nodes,
+            scaling_policy=policy, base_partition="high", unit_partition="low", port=free_port(),
+            run_id=f"slurm{os.getpid()}", grace_period_s=max(1.0, cfg.grace_s - 1.5),
+            run_flags=["--tee", "0", "--monitor-interval", "0.05"])
+        self.deadline = time.monotonic() + cfg.timeout_s
+        self.marks: list[dict] = []  # what this run did, when (wall clock)
+
+    def events(self) -> list[dict]:
+        from hp.checkpointless.events import read_events
+
+        return [e for d in glob.glob(os.path.join(self.spec.job_dir, "node*")) for e in read_events(os.path.join(d, "events"))]
+
+    def decisions(self) -> list[dict]:
+        out = []
+        for path in glob.glob(os.path.join(self.spec.job_dir, "node0-*", "controller_decisions.jsonl")):
+            with open(path) as f:
+                out += [json.loads(line) for line in f if line.strip()]
+        return sorted(out, key=lambda d: d["t"])
+
+    def commits(self) -> list[tuple[float, int, int]]:
+        """(time, step, world) of each step's last commit, by step."""
+        from hp.elastic.demo.run import commits
+
+        return sorted((max(e["t"] for e in es), step, max(e["world"] for e in es)) for step, es in commits(self.events()).items())
+
+    def wait(self, what: str, done: Callable[[list[tuple[float, int, int]]], bool]) -> None:
+        while time.monotonic() < self.deadline:
+            if self.base_state() not in (None, "PENDING", "RUNNING", "CONFIGURING"):
+                raise _Failed(f"the job ended ({self.base_state()}) while waiting for {what}")
+            if done(self.commits()):
+                return
+            time.sleep(POLL_S)
+        raise _Failed(f"timed out waiting for {what}")
+
+    def held(self, world: int, since: float) -> Callable[[list[tuple[float, int, int]]], bool]:
+        """Whether the job committed ``hold_steps`` steps at ``world`` after ``since``."""
+        return lambda cs: sum(1 for t, _, w in cs if t > since and w == world) >= self.cfg.hold_steps
+
+    def base_state(self) -> str | None:
+        return next((j.state for j in self.cli.jobs([self.spec.job_name()])), None)
+
+    def mark(self, kind: str, **extra: object) -> float:
+        t = time.time()
+        self.marks.append({"kind": kind, "t": t, **extra})
+        return t
+
+    def hold_nodes(self, nodes: int) -> str:
+        """Another tenant's high-priority job on ``nodes`` nodes, until cancelled."""
+        return self.cli.sbatch("#!/bin/bash\nexec sleep 3600\n", "-p", "high", "-N", str(nodes), "-J", "tenant",
+                               f"--output={self.root}/tenant-%j.out")
+
+    def preempt(self, cycle: int) -> str:
+        """A high-priority job of the unit nodes' size that runs ``high_s`` and records its end."""
+        end = os.path.join(self.root, f"high{cycle}.end")
+        script = f"#!/bin/bash\nsleep {self.cfg.high_s:g}\ndate +%s.%N > {end}\n"
+        return self.cli.sbatch(script, "-p", "high", "-N", str(self.cfg.max_nodes - self.cfg.min_nodes), "-J",
+                               f"high{cycle}", f"--output={self.root}/high{cycle}-%j.out")
+
+    def unit_node(self, slot: int) -> str:
+        running = [j for j in self.cli.jobs([self.spec.job_name(slot)]) if j.state == "RUNNING"]
+        if not running:
+            raise _Failed(f"unit {slot} is not running")
+        return self.cli.hostnames(running[0].nodes)[0]
+
+    def drive(self) -> None:
+        cfg, low, high = self.cfg, self.cfg.min_nodes, self.cfg.max_nodes
+        tenant = self.hold_nodes(high - low)
+        submit(self.spec, os.urandom(16).hex(), self.cli)
+        self.mark("submitted")
+        self.wait(f"{cfg.hold_steps} steps at {low} nodes", self.held(low, 0.0))
+        self.cli.scancel(tenant)
+        t = self.mark("capacity", how="the tenant's job cancelled")
+        self.wait(f"the units joining ({low} -> {high})", self.held(high, t))
+        for cycle in range(cfg.cycles):
+            self.preempt(cycle)
+            t = self.mark("preemptor_submitted", cycle=cycle)
+            self.wait(f"preemption {cycle} ({high} -> {low})", lambda cs, t=t: any(w == low for tt, _, w in cs if tt > t))
+            end = os.path.join(self.root, f"high{cycle}.end")
+            self.wait(f"capacity back after preemption {cycle}", lambda cs, end=end, t=t: os.path.exists(end)
+                      and any(w == high for tt, _, w in cs if tt > t))
+            with open(end) as f:
+                self.marks.append({"kind": "capacity", "t": float(f.read()), "how": f"high job {cycle} ended"})
+            self.wait(f"{cfg.hold_steps} steps at {high} after preemption {cycle}", self.held(high, self.marks[-1]["t"]))
+        if cfg.node_down:
+            node = self.unit_node(high - 1)
+            self.cli.set_node_state(node, "DOWN", "hp-test")
+            t = self.mark("node_down", node=node)
+            self.wait(f"the shrink after {node} went DOWN", lambda cs, t=t: any(w == high - 1 for tt, _, w in cs if tt > t))
+        while self.base_state() in ("PENDING", "RUNNING", "CONFIGURING", "COMPLETING"):
+            if time.monotonic() > self.deadline:
+                raise _Failed("the job did not finish in time")
+            time.sleep(POLL_S)
+
+
+def timings(commits: list[tuple[float, int, int]], decisions: list[dict], marks: list[dict], low: int,
+            high: int) -> dict[str, list[float]]:
+    """``shrink_s`` per preemption (notice → first commit at ``low``) and ``grow_s`` per return of capacity
+    (→ first commit at ``high``), from the commits (time, step, world), the decision log and the marks."""
+    out: dict[str, list[float]] = {"shrink_s": [], "grow_s": []}
+    for i, m in enumerate(marks):
+        if m["kind"] == "preemptor_submitted":
+            notice = next((d["t"] for d in decisions if d["decision"] == "preempt" and d["t"] > m["t"]), None)
+            first = next((t for t, _, w in commits if notice is not None and t > notice and w == low), None)
+            if first is not None:
+                out["shrink_s"].append(round(first - notice, 3))
+        elif m["kind"] == "capacity":
+            first = next((t for t, _, w in commits if t > m["t"] and w == high), None)
+            if first is not None:
+                out["grow_s"].append(round(first - m["t"], 3))
+    return out
+
+
+def run_slurm_elastic(cfg: SlurmElasticConfig) -> dict:
+    """Run the job (and its fixed-size reference); the comparison and the timings (never raises for a
+    job that fails: ``completed`` is False and ``error`` says why)."""
+    from hp.checkpointless.demo.run import RunResult, compare_state
+    from hp.elastic.demo.run import (POLICY, ElasticDemoConfig, commits, lost_steps, reference_run, scale_events,
+                                     train_argv, world_by_step)
+
+    root = cfg.log_dir or tempfile.mkdtemp(prefix="hp_slurm_elastic_")
+    os.makedirs(root, exist_ok=True)
+    policy = os.path.join(root, "policy.yaml")
+    with open(policy, "w") as f:
+        f.write(POLICY.format(min=cfg.min_nodes, max=cfg.max_nodes, global_batch=cfg.global_batch,
+                              micro_batch=cfg.micro_batch))
+    demo = ElasticDemoConfig(steps=cfg.steps, global_batch=cfg.global_batch, micro_batch=cfg.micro_batch,
+                             model_size=cfg.model_size, exact=cfg.exact, corpus_mb=cfg.corpus_mb, seed=cfg.seed,
+                             log_dir=root, timeout_s=cfg.timeout_s)
+    final = cfg.max_nodes - (1 if cfg.node_down else 0)
+    reference = reference_run(demo, root, policy, ranks=final) if cfg.reference else None
+    error, start = None, time.monotonic()
+    with LocalSlurm(nodes=cfg.max_nodes, grace_s=cfg.grace_s) as slurm:
+        run = _Run(cfg, slurm, root, policy, train_argv(demo, policy))
+        try:
+            run.drive()
+        except _Failed as e:
+            error = str(e)
+        base_state = run.base_state()
+        events = sorted(run.events(), key=lambda e: e["t"])
+        decisions = run.decisions()
+        units = {j.job_id: (j.name, j.state) for j in run.cli.jobs([run.spec.job_name(s) for s in run.spec.unit_slots])}
+    wall = time.monotonic() - start
+    worlds = world_by_step(events)
+    steps = sorted(worlds)
+    sequence = [worlds[s] for i, s in enumerate(steps) if i == 0 or worlds[s] != worlds[steps[i - 1]]]
+    got_losses = {s: {e["loss"] for e in es} for s, es in commits(events).items()}
+    result = {
+        "completed": error is None and base_state == "COMPLETED" and len(got_losses) == cfg.steps,
+        "config": asdict(cfg), "world_sizes": sequence, "lost_steps": lost_steps(events, cfg.steps),
+        "events": scale_events(events), "marks": run.marks, "base_state": base_state, "units": units,
+        **timings(run.commits(), decisions, run.marks, cfg.min_nodes, cfg.max_nodes),
+        "grace_s": cfg.grace_s, "wall_s": round(wall, 2), "log_dir": root,
+    }
+    if reference is not None:
+        ref_losses = {s: {e["loss"] for e in es} for s, es in commits(reference.events).items()}
+        state = compare_state(reference, RunResult(0, wall, events, ""), nproc=final)
+        result.update(losses_equal=ref_losses == got_losses and all(len(v) == 1 for v in got_losses.values()), **state)
+        result["bitwise_equal"] = result["losses_equal"] and state["state_equal"]
+        result["completed"] = result["completed"] and reference.returncode == 0
+    if error is not None:
+        result["error"] = error
+    if not result["completed"]:
+        result["error_tail"] = _tails(run.spec.job_dir)
+    return result
+
+
+def _tails(job_dir: str, n: int = 1500) -> dict[str, str]:
+    out = {}
+    for path in sorted(glob.glob(os.path.join(job_dir, "*.out"))):
+        with open(path, errors="replace") as f:
+            out[os.path.basename(path)] = f.read()[-n:]
+    return out
+
+
+def median_spread(values: list[float]) -> dict:
+    return {"median": round(statistics.median(values), 3), "spread": [min(values), max(values)], "n": len(values)} \
+        if values else {"median": None, "spread": None, "n": 0}

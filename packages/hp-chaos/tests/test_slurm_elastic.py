@@ -1,0 +1,44 @@
+"""An elastic hp job following a real Slurm (issue #15): ``hp slurm submit`` on a local Slurm of four fake
+nodes (munged, slurmctld, four slurmd; hp.core.slurm_cluster), driven only through Slurm: another tenant's
+job leaving (grow 2 -> 4), a high-priority job preempting the units (4 -> 2 within the grace time), that job
+ending (back to 4), a node set DOWN (4 -> 3). No Slurm command is mocked and no hp process is signalled by
+the test. Exact mode: every step's loss and every rank's final weights and optimizer state must equal a
+fixed-size run's."""
+
+from __future__ import annotations
+
+import itertools
+import json
+
+from hp.chaos.slurm_elastic import SlurmElasticConfig, run_slurm_elastic, timings
+
+
+def _turns(sizes: list[int]) -> list[int]:
+    """The world sizes where the direction changes (2, 3, 4, 2, 3, 4, 3 -> 2, 4, 2, 4, 3)."""
+    out = [k for k, _ in itertools.groupby(sizes)]
+    return [w for i, w in enumerate(out) if i in (0, len(out) - 1) or (out[i - 1] < w) != (w < out[i + 1])]
+
+
+def test_grow_preempt_regrow_and_node_down_bit_identical(tmp_path):
+    r = run_slurm_elastic(SlurmElasticConfig(log_dir=str(tmp_path), steps=400, grace_s=5))
+    brief = {k: r.get(k) for k in ("error", "world_sizes", "marks", "units", "base_state", "shrink_s", "grow_s",
+                                   "state_differences", "error_tail")}
+    assert r["completed"], json.dumps(brief, indent=1)
+    assert _turns(r["world_sizes"]) == [2, 4, 2, 4, 3], brief
+    assert r["lost_steps"] == 0, brief
+    assert r["losses_equal"] and r["state_equal"] and r["bitwise_equal"], brief
+    # the preempted units' ranks left within the unit partition's grace time, and their jobs ended by themselves
+    assert len(r["shrink_s"]) == 1 and r["shrink_s"][0] < r["grace_s"], brief
+    assert len(r["grow_s"]) == 2, brief
+    states = [state for _, state in r["units"].values()]
+    assert "NODE_FAIL" in states and states.count("COMPLETED") >= 2, brief  # the DOWN node's unit; the preempted
+
+
+def test_timings_read_the_notice_and_the_first_commit_at_the_new_size():
+    commits = [(10.0, 0, 2), (11.0, 1, 4), (12.0, 2, 4), (13.5, 3, 2), (14.0, 4, 2), (20.0, 5, 4)]
+    decisions = [{"t": 9.0, "decision": "preempt"}, {"t": 12.5, "decision": "preempt"}]
+    marks = [{"kind": "capacity", "t": 10.5}, {"kind": "preemptor_submitted", "t": 12.2},
+             {"kind": "capacity", "t": 18.0}]
+    assert timings(commits, decisions, marks, 2, 4) == {"shrink_s": [1.0], "grow_s": [0.5, 2.0]}
+    # no notice after the preemptor (the job was never told): no figure, not a made-up one
+    assert timings(commits, decisions[:1], marks[1:2], 2, 4) == {"shrink_s": [], "grow_s": []}

@@ -1,0 +1,135 @@
+"""The base job of an elastic hp job on Slurm: its agents, and the scaling units it keeps queued.
+
+:class:`UnitKeeper` is the decision, pure (an injected clock, no Slurm): given the unit jobs Slurm
+knows, which slots need a new unit job now. Each slot (a node rank in ``min_nodes..max_nodes-1``) is
+in one of three states, read from its newest job:
+
+===========  ==========================================================  ======================
+state        the newest job of the slot                                   the keeper
+===========  ==========================================================  ======================
+``empty``    none yet, or it ended (left when preempted, its node went    submits a new unit (at
+             DOWN, it failed, it was cancelled)                           most every ``min_interval_s``)
+``queued``   pending: waits for a node (the job grows when it starts)     waits
+``running``  running: its agent is in the job, or joining it              waits
+===========  ==========================================================  ======================
+
+:func:`run_base` is the base job's batch step (``hp slurm base SPEC``): it starts the agents of the base
+nodes with ``srun``, keeps the units while they run (one ``squeue --name`` a second for the whole job,
+not per rank), and cancels every unit when they are done, however they end.
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from enum import Enum
+
+from hp.core.slurm import SlurmCli, SlurmError, SlurmJob
+from hp.core.slurm_job import SlurmJobSpec, head_endpoint, srun_agent, unit_script
+
+POLL_S = 1.0
+
+
+class Slot(str, Enum):
+    EMPTY = "empty"
+    QUEUED = "queued"
+    RUNNING = "running"
+
+
+@dataclass
+class UnitKeeper:
+    """Which unit slots need a job (see the module docstring). ``names``: slot -> its jobs' name."""
+
+    names: dict[int, str]
+    clock: Callable[[], float] = time.monotonic
+    min_interval_s: float = 2.0  # between two submissions for one slot (a unit that fails at once)
+    max_submissions: int = 10_000  # then the keeper stops submitting: something is wrong
+    submissions: int = 0
+    _newest: dict[int, str] = field(default_factory=dict)  # slot -> the job id submitted last
+    _submitted_at: dict[int, float] = field(default_factory=dict)
+
+    def states(self, jobs: Iterable[SlurmJob]) -> dict[int, Slot]:
+        by_slot = {slot: [] for slot in self.names}
+        slot_of = {name: slot for slot, name in self.names.items()}
+        for job in jobs:
+            if job.name in slot_of:
+                by_slot[slot_of[job.name]].append(job)
+        out = {}
+        for slot, found in by_slot.items():
+            newest = max(found, key=lambda j: int(j.job_id), default=None)
+            if newest is None and slot in self._newest:  # submitted, not listed yet (or forgotten): trust it
+                out[slot] = Slot.QUEUED
+            elif newest is None or not newest.active:
+                out[slot] = Slot.EMPTY
+            else:
+                out[slot] = Slot.QUEUED if newest.state == "PENDING" else Slot.RUNNING
+        return out
+
+    def due(self, jobs: Iterable[SlurmJob]) -> list[int]:
+        """The slots to submit a unit for now."""
+        jobs = list(jobs)
+        listed = {job.job_id for job in jobs}
+        for slot, job_id in list(self._newest.items()):
+            if job_id in listed or self.clock() - self._submitted_at[slot] > 60:
+                del self._newest[slot]  # listed now (its state is read), or gone from Slurm's memory
+        now = self.clock()
+        return [slot for slot, state in sorted(self.states(jobs).items())
+                if state == Slot.EMPTY and self.submissions < self.max_submissions
+                and now - self._submitted_at.get(slot, -float("inf")) >= self.min_interval_s]
+
+    def submitted(self, slot: int, job_id: str) -> None:
+        self._newest[slot], self._submitted_at[slot] = job_id, self.clock()
+        self.submissions += 1
+
+    @staticmethod
+    def active(jobs: Iterable[SlurmJob]) -> list[str]:
+        return [job.job_id for job in jobs if job.active]
+
+
+def _say(message: str) -> None:
+    print(f"[hp slurm base] {message}", file=sys.stderr, flush=True)
+
+
+def _terminated(signum: int, _frame: object) -> None:
+    raise SystemExit(128 + signum)  # scancel of the base: the finally below cancels the units
+
+
+def run_base(spec: SlurmJobSpec, cli: SlurmCli, job_id: str, nodelist: str, poll_s: float = POLL_S) -> int:
+    """The base job's batch step (see the module docstring); the agents' exit code."""
+    signal.signal(signal.SIGTERM, _terminated)
+    endpoint = head_endpoint(cli, nodelist, spec.port)
+    keeper = UnitKeeper({slot: spec.job_name(slot) for slot in spec.unit_slots})
+    _say(f"job {job_id}: controller at {endpoint}; {spec.min_nodes} base node(s), unit slots "
+         f"{list(spec.unit_slots)}")
+    agents = subprocess.Popen(srun_agent(spec, endpoint, spec.min_nodes))
+    names = list(keeper.names.values())
+    try:
+        while agents.poll() is None:
+            if names:
+                try:
+                    for slot in keeper.due(cli.jobs(names)):
+                        unit = cli.sbatch(unit_script(spec, slot, endpoint), *spec.sbatch_options)
+                        keeper.submitted(slot, unit)
+                        _say(f"unit {slot}: submitted job {unit}")
+                except SlurmError as e:  # slurmctld busy or restarting: the training goes on; ask again
+                    _say(f"units: {e}")
+            try:
+                agents.wait(timeout=poll_s)
+            except subprocess.TimeoutExpired:
+                pass
+    finally:
+        if names:
+            try:
+                for unit in UnitKeeper.active(cli.jobs(names)):
+                    cli.scancel(unit)
+            except SlurmError as e:
+                _say(f"could not cancel the units: {e}")
+        if agents.poll() is None:
+            agents.terminate()
+            agents.wait()
+    _say(f"agents exited {agents.returncode}")
+    return agents.returncode
