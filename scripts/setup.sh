@@ -38,7 +38,7 @@ fi
 .venv/bin/python -m pip install -qq --upgrade "pip>=24" "setuptools>=69" wheel
 .venv/bin/python -m pip install -qq "$HP_TORCH"
 .venv/bin/python -m pip install -qq \
-    -e "packages/hp-core[test,etcd]" \
+    -e "packages/hp-core[test,etcd,kubernetes]" \
     -e "packages/hp-elastic[test,plot]" \
     -e "packages/hp-checkpointless[test,tiered]" \
     -e "packages/hp-tiered-ckpt[test]" \

@@ -32,6 +32,8 @@ _EXPORTS = {
     "Relay": "hp.core.fanout", "Mirror": "hp.core.fanout",
     "SlurmScheduler": "hp.core.slurm", "SlurmCli": "hp.core.slurm", "SlurmError": "hp.core.slurm",
     "LocalSlurm": "hp.core.slurm_cluster",
+    "KubernetesScheduler": "hp.core.k8s.backend", "KubernetesError": "hp.core.k8s.backend",
+    "ManifestConfig": "hp.core.k8s.manifest", "JobWatch": "hp.core.k8s.watch",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -1,4 +1,4 @@
-"""hp-core's sub-commands: ``hp run``, ``hp controller``, ``hp backends``, ``hp token``."""
+"""hp-core's sub-commands: ``hp run``, ``hp controller``, ``hp backends``, ``hp token``, ``hp k8s``."""
 
 from __future__ import annotations
 
@@ -281,7 +281,13 @@ def _add_token(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(handler=lambda args: print(auth.new_token()) or 0)
 
 
+def _add_k8s(sub: argparse._SubParsersAction) -> None:
+    from hp.core.k8s.cli import add_parser  # `hp k8s manifest`: no kubernetes client needed
+
+    add_parser(sub)
+
+
 @hookimpl
 def hp_cli_commands(subparsers: argparse._SubParsersAction) -> None:
-    for add in (_add_run, _add_controller, _add_backends, _add_token):
+    for add in (_add_run, _add_controller, _add_backends, _add_token, _add_k8s):
         add(subparsers)

@@ -101,6 +101,7 @@ def _read_count(path: str | None) -> int | None:
 
 @hookimpl
 def hp_scheduler_backends() -> list[SchedulerBackend]:
+    from hp.core.k8s.backend import KubernetesScheduler  # the client itself is imported on first use
     from hp.core.slurm import SlurmScheduler  # imports this module
 
-    return [LocalScheduler(), SlurmScheduler()]
+    return [LocalScheduler(), SlurmScheduler(), KubernetesScheduler()]

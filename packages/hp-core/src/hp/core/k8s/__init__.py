@@ -1,0 +1,42 @@
+"""Kubernetes for hp jobs: manifests (JobSet or Volcano, Kueue labels), the ``kubernetes`` scheduler backend
+and the pure fold of watch events into scale decisions.
+
+========================== ============================================================================
+module                     one idea
+========================== ============================================================================
+:mod:`.names`              the API server's rules for names, label values, quantities, image references
+:mod:`.manifest`           :class:`ManifestConfig` and :func:`manifests`: the objects of one job (pure)
+:mod:`.volcano`            the worker groups as a Volcano Job
+:mod:`.schemas`            the vendored CRD schemas (``crds/``) and strict validation against them
+:mod:`.watch`              :class:`JobWatch`: Pod/Node/Workload watch events -> ScaleEvent, Capacity
+:mod:`.backend`            :class:`KubernetesScheduler`, the ``kubernetes`` scheduler backend
+:mod:`.cli`                ``hp k8s manifest``
+========================== ============================================================================
+
+Names are imported on first use: nothing here imports the ``kubernetes`` client until a backend talks to
+a cluster.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "K8sConfigError": "hp.core.k8s.names",
+    "ManifestConfig": "hp.core.k8s.manifest", "manifests": "hp.core.k8s.manifest", "DEFAULT_IMAGE": "hp.core.k8s.manifest",
+    "volcano_job": "hp.core.k8s.volcano",
+    "SchemaError": "hp.core.k8s.schemas",
+    "JobWatch": "hp.core.k8s.watch", "Phase": "hp.core.k8s.watch", "Decision": "hp.core.k8s.watch",
+    "WatchEventError": "hp.core.k8s.watch",
+    "KubernetesScheduler": "hp.core.k8s.backend", "KubernetesError": "hp.core.k8s.backend",
+    "parse_handle": "hp.core.k8s.backend",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'hp.core.k8s' has no attribute {name!r}")
+    return getattr(importlib.import_module(_EXPORTS[name]), name)
