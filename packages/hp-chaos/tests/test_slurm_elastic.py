@@ -42,3 +42,14 @@ def test_timings_read_the_notice_and_the_first_commit_at_the_new_size():
     assert timings(commits, decisions, marks, 2, 4) == {"shrink_s": [1.0], "grow_s": [0.5, 2.0]}
     # no notice after the preemptor (the job was never told): no figure, not a made-up one
     assert timings(commits, decisions[:1], marks[1:2], 2, 4) == {"shrink_s": [], "grow_s": []}
+
+
+def test_bench_elastic_slurm_bad_input_is_one_line():
+    import subprocess
+    import sys
+
+    for argv, message in ((["--cycles", "0"], "--cycles must be >= 1"),
+                          (["--global-batch", "10", "--micro-batch", "4"], "must be a multiple of --micro-batch")):
+        done = subprocess.run([sys.executable, "-m", "hp.core.cli", "bench", "elastic", "--scheduler", "slurm", *argv],
+                              capture_output=True, text=True, timeout=120)
+        assert done.returncode == 2 and message in done.stderr and len(done.stderr.strip().splitlines()) == 1, done.stderr

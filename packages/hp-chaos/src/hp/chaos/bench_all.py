@@ -39,7 +39,10 @@ SUITE: dict[str, tuple[list[str], list[str]]] = {
     "init": ([], ["--ranks", "2,4", "--repeats", "1"]),  # hp-core's: rootless vs TCPStore process-group init
     # hp-core's: what learning about generations costs the store, per-rank polling vs the node relay
     "control": ([], ["--sizes", "16,32", "--processes", "2", "--repeats", "1", "--changes", "2", "--idle", "1"]),
+    # hp bench elastic --scheduler slurm: a job following a local Slurm (preemption, capacity back) vs torchrun + DCP
+    "elastic_slurm": (["--scheduler", "slurm"], ["--scheduler", "slurm", "--cycles", "1", "--steps", "400"]),
 }
+COMMANDS = {"elastic_slurm": "elastic"}  # a suite entry that is another entry's command with other arguments
 
 
 def _git(*args: str) -> str | None:
@@ -59,7 +62,7 @@ def source() -> dict[str, Any]:
 def run_one(name: str, args: list[str], log=print, command: tuple[str, ...] = ("bench",)) -> dict[str, Any]:
     """``hp bench <name> --json ARGS`` (``hp <name>`` for ``command=()``) in a child process: its JSON
     (the last stdout line), or why not."""
-    cmd = [sys.executable, "-m", "hp.core.cli", *command, name, "--json", *args]
+    cmd = [sys.executable, "-m", "hp.core.cli", *command, COMMANDS.get(name, name), "--json", *args]
     log(f"hp bench all: {' '.join(cmd[3:])}")
     start = time.monotonic()
     proc = subprocess.run(cmd, capture_output=True, text=True)

@@ -117,7 +117,29 @@ def _add_goodput(bench: argparse._SubParsersAction) -> None:
     p.set_defaults(handler=_goodput)
 
 
+def _elastic_slurm(args: argparse.Namespace) -> int:
+    from hp.chaos import bench_slurm_elastic as bench
+
+    if args.cycles < 1:
+        raise UsageError(f"--cycles must be >= 1, got {args.cycles}")
+    if args.global_batch % args.micro_batch or args.micro_batch < 1:
+        raise UsageError(f"--global-batch {args.global_batch} must be a multiple of --micro-batch {args.micro_batch}")
+    cfg = bench.SlurmBenchConfig(cycles=args.cycles, steps=args.steps or bench.SlurmBenchConfig.steps,
+                                 global_batch=args.global_batch, micro_batch=args.micro_batch,
+                                 model_size=args.model_size, log_dir=args.log_dir)
+    result = bench.run_bench(cfg)
+    if args.out:
+        from hp.chaos.bench_elastic import write_result
+
+        write_result(result, args.out)
+    return _print_result(result, bench.format_table(result), args.json)
+
+
 def _elastic(args: argparse.Namespace) -> int:
+    if args.scheduler == "slurm":
+        args.global_batch = args.global_batch or 48
+        return _elastic_slurm(args)
+    args.steps, args.global_batch = args.steps or 200, args.global_batch or 24
     if args.steps < 60 or not 2 <= args.kill_step < args.steps // 4:
         raise UsageError("need --steps >= 60 and 2 <= --kill-step < steps/4 (four scale events must fit)")
     if args.global_batch % args.micro_batch or args.micro_batch < 1:
@@ -138,10 +160,14 @@ def _elastic(args: argparse.Namespace) -> int:
 def _add_elastic(bench: argparse._SubParsersAction) -> None:
     p = bench.add_parser("elastic", help="pause per scale event (shrink on a kill, grow, preemption): hp in "
                                          "process vs torchrun --nnodes MIN:MAX + DCP checkpoint-restart")
-    p.add_argument("--steps", type=int, default=200)
-    p.add_argument("--global-batch", type=int, default=24)
+    p.add_argument("--scheduler", choices=("local", "slurm"), default="local",
+                   help="slurm: the job follows a local Slurm (hp slurm submit; preemption by a high-priority "
+                        "job, capacity back) -> shrink_s, grow_s, baseline_s")
+    p.add_argument("--steps", type=int, default=None, help="default 200 (local), 700 (slurm)")
+    p.add_argument("--global-batch", type=int, default=None, help="default 24 (local), 48 (slurm)")
     p.add_argument("--micro-batch", type=int, default=4)
     p.add_argument("--kill-step", type=int, default=12)
+    p.add_argument("--cycles", type=int, default=3, help="slurm: preemptions, each followed by capacity back")
     p.add_argument("--model-size", default="tiny", help="tiny | small | 25m")
     p.add_argument("--log-dir", default=None, help="default: a new temporary directory")
     p.add_argument("--out", default=None, help="also write the result JSON here (hp bench all collects it into benchmarks/results/)")
