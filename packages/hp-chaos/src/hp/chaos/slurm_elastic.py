@@ -55,7 +55,7 @@ class SlurmElasticConfig:
     cycles: int = 1  # preemptions (each followed by capacity coming back)
     high_s: float = 2.0  # how long the preempting job runs
     node_down: bool = True
-    grace_s: int = 5  # the unit partition's GraceTime
+    grace_s: int = 10  # the unit partition's GraceTime (hp run --grace-period: 1.5 s less)
     reference: bool = True
     log_dir: str | None = None
     timeout_s: float = 480.0
@@ -146,8 +146,8 @@ class _Run:
         t = self.mark("capacity", how="the tenant's job cancelled")
         self.wait(f"the units joining ({low} -> {high})", self.held(high, t))
         for cycle in range(cfg.cycles):
+            t = self.mark("preemptor_submitted", cycle=cycle)  # before: Slurm may signal before sbatch returns
             self.preempt(cycle)
-            t = self.mark("preemptor_submitted", cycle=cycle)
             self.wait(f"preemption {cycle} ({high} -> {low})", lambda cs, t=t: any(w == low for tt, _, w in cs if tt > t))
             end = os.path.join(self.root, f"high{cycle}.end")
             self.wait(f"capacity back after preemption {cycle}", lambda cs, end=end, t=t: os.path.exists(end)

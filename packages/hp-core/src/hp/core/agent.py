@@ -37,7 +37,7 @@ from hp.core.controller import Controller, ControllerConfig
 from hp.core.errors import ControlPlaneError, HpError
 from hp.core.fanout import RELAY_WAIT_S, Relay
 from hp.core.plugins import get_backend, load_scaler
-from hp.core.protocol import EXIT_PREEMPTED, SCALING_POLICY_ENV, FailureAction, JobState, Verb, spare_holder, spare_id, worker_holder
+from hp.core.protocol import AGENT_PID_ENV, EXIT_PREEMPTED, SCALING_POLICY_ENV, FailureAction, JobState, Verb, spare_holder, spare_id, worker_holder
 from hp.core.rescale import ElasticController
 from hp.core.scaling import Scaler
 from hp.core.services import NodeContext, ServiceError, ServiceHost
@@ -370,6 +370,7 @@ class Agent:
             "HP_LOG_DIR": self.log_dir,
             "HP_HEARTBEAT_FILE": w.heartbeat_file,
             "HP_HOLDER": w.holder,
+            AGENT_PID_ENV: str(os.getpid()),
         })
         if self._relay is not None:
             env.update(self._relay.env())
@@ -584,10 +585,11 @@ class Agent:
 
     def _leave(self, sig: signal.Signals) -> int | None:
         """Elastic: a SIGTERM is a preemption. Ask the controller to let this node's ranks leave at the next
-        step boundary and wait (at most the grace period) for them to exit: 0 once they did. Where the job
-        cannot go on without this node (below the policy's minimum, or it hosts the controller) the job is
-        preempted: its ranks save their last committed step and exit (:meth:`_preempted`). None: stop as a
-        fixed-size job does (the grace period ran out, or the controller could not be asked)."""
+        step boundary and wait (at most the grace period) for them to exit: 0 once they did, or once those
+        still running at its end are killed (the job goes on without them). Where the job cannot go on without
+        this node (below the policy's minimum, or it hosts the controller) the job is preempted: its ranks save
+        their last committed step and exit (:meth:`_preempted`). None: stop as a fixed-size job does (the
+        controller could not be asked, or refused)."""
         deadline = time.monotonic() + self.cfg.grace_period_s
         try:
             answer = self._call(self._client, Verb.NODE_LEAVING,
@@ -613,8 +615,13 @@ class Agent:
                 say("left the job gracefully")
                 return 0
             time.sleep(self.cfg.monitor_interval_s)
-        say(f"grace period of {self.cfg.grace_period_s:g} s over: killing the ranks still running")
-        return None
+        # the job already goes on without this node (the controller made the generation without it): what is
+        # left here is a process still exiting, or a rank that never reached the boundary (the others replay
+        # that step). Telling the controller this node stopped would fail a job this node has left.
+        say(f"grace period of {self.cfg.grace_period_s:g} s over: killing this node's processes still running; "
+            f"the job goes on without them")
+        self._stop_workers(signal.SIGKILL)
+        return 0
 
     def _workers_exited(self) -> bool:
         return all(w.poll() is not None for w in self.workers if w.running)

@@ -20,13 +20,13 @@ from __future__ import annotations
 
 import multiprocessing
 import os
-import runpy
 import signal
 import sys
 from dataclasses import dataclass, field
 from typing import Any
 from unittest.mock import patch
 
+from hp.core.worker_main import exec_main
 from hp.core.workers import ExitStatus, Worker, exit_status
 
 # torch._dynamo is what the first optimizer step imports: ~2 of a spare's ~5 CPU s
@@ -74,13 +74,7 @@ def _run(command: list[str], env: dict[str, str], stdout: str, stderr: str) -> N
     args = command[1:]
     while args and args[0] == "-u":
         args = args[1:]
-    if args and args[0] == "-m":
-        sys.argv = [args[1], *args[2:]]
-        runpy.run_module(args[1], run_name="__main__", alter_sys=True)
-    else:
-        sys.argv = list(args)
-        sys.path[0] = os.path.dirname(os.path.abspath(args[0]))
-        runpy.run_path(args[0], run_name="__main__")
+    exec_main(args)  # python_command's: hp.core.worker_main, which runs the script
 
 
 @dataclass

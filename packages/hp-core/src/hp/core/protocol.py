@@ -102,6 +102,9 @@ RESIZES = frozenset({"shrink", "grow", "preempt", "scale"})
 
 # the environment variable through which ``hp run --scaling-policy FILE`` tells its workers the policy file
 SCALING_POLICY_ENV = "HP_SCALING_POLICY"
+# the agent's pid, in its workers' environment: a SIGTERM from anyone else is the agent's to act on
+# (hp.core.worker_signals)
+AGENT_PID_ENV = "HP_AGENT_PID"
 
 
 # ---- process ids --------------------------------------------------------------------------

@@ -154,5 +154,6 @@ def exit_status(pid: int, rc: int, error_file: str) -> ExitStatus:
 
 
 def python_command(entrypoint: str, args: list[str], module: bool) -> list[str]:
-    """The command line of a worker, like torchrun's: unbuffered Python running the script."""
-    return [sys.executable, "-u", *(["-m"] if module else []), entrypoint, *args]
+    """The command line of a worker, like torchrun's: unbuffered Python running the script, through
+    :mod:`hp.core.worker_main` (which leaves SIGTERM to the agent first)."""
+    return [sys.executable, "-u", "-m", "hp.core.worker_main", *(["-m"] if module else []), entrypoint, *args]

@@ -1,0 +1,37 @@
+"""``python -m hp.core.worker_main [-m MODULE | SCRIPT] [ARGS...]``: how ``hp run`` starts a worker.
+
+It runs the training script or module as ``python SCRIPT`` / ``python -m MODULE`` would (``__main__``,
+``sys.argv``, the script's directory first on ``sys.path``), after one thing no script should have to do:
+leaving SIGTERM to the agent (:mod:`hp.core.worker_signals`), done here while the process has one thread,
+before the script imports torch (whose import starts a thread that could otherwise take the signal).
+Workers started cold (torch elastic) and forked ones (:mod:`hp.core.forkserver`) both come through
+:func:`exec_main`.
+"""
+
+from __future__ import annotations
+
+import os
+import runpy
+import sys
+
+from hp.core.worker_signals import defer_sigterm_to_agent
+
+
+def exec_main(args: list[str]) -> None:
+    """Run ``args`` (``-m MODULE ARGS`` or ``SCRIPT ARGS``, after the interpreter's own flags) as ``__main__``."""
+    if args and args[0] == "-m":
+        sys.argv = [args[1], *args[2:]]
+        runpy.run_module(args[1], run_name="__main__", alter_sys=True)
+    else:
+        sys.argv = list(args)
+        sys.path[0] = os.path.dirname(os.path.abspath(args[0]))
+        runpy.run_path(args[0], run_name="__main__")
+
+
+def main(args: list[str]) -> None:
+    defer_sigterm_to_agent()
+    exec_main(args)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
