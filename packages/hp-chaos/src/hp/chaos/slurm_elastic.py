@@ -26,7 +26,6 @@ from __future__ import annotations
 import glob
 import json
 import os
-import statistics
 import tempfile
 import time
 from collections.abc import Callable
@@ -245,7 +244,3 @@ def _tails(job_dir: str, n: int = 1500) -> dict[str, str]:
             out[os.path.basename(path)] = f.read()[-n:]
     return out
 
-
-def median_spread(values: list[float]) -> dict:
-    return {"median": round(statistics.median(values), 3), "spread": [min(values), max(values)], "n": len(values)} \
-        if values else {"median": None, "spread": None, "n": 0}
