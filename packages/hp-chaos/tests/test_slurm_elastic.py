@@ -56,3 +56,15 @@ def test_bench_elastic_slurm_bad_input_is_one_line():
         done = subprocess.run([sys.executable, "-m", "hp.core.cli", "bench", "elastic", "--scheduler", "slurm", *argv],
                               capture_output=True, text=True, timeout=120)
         assert done.returncode == 2 and message in done.stderr and len(done.stderr.strip().splitlines()) == 1, done.stderr
+
+
+def test_bench_table_shows_medians_and_ranges_and_a_missing_figure_as_such():
+    from hp.chaos.bench_slurm_elastic import format_table
+    from hp.core.benchmeta import spread
+
+    result = {"spread": {"shrink_s": spread([0.2, 0.25, 0.21]), "grow_s": spread([6.0, 6.5]),
+                         "baseline_shrink_s": spread([8.9]), "baseline_grow_s": spread([])},
+              "hp": {"world_sizes": [1, 2, 1, 2], "lost_steps": 0}, "baseline": {"lost_steps": 0}}
+    table = format_table(result)
+    assert "0.210" in table and "[0.200-0.250]" in table and "[6.000-6.500]" in table and "8.900" in table
+    assert table.splitlines()[3].rstrip().endswith("-")  # no torchrun grow measured: a dash, not a number

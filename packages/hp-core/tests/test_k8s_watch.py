@@ -89,13 +89,19 @@ def test_without_the_disruption_condition_the_same_loss_is_a_failure():
     assert got[-1] == [FAILURE, 1] and [PREEMPTION, 1] not in got
 
 
-def test_a_node_not_ready_within_the_grace_is_not_yet_a_failure():
-    header, records = _load("node_not_ready.jsonl")
+def _node_not_ready() -> tuple[list[dict], list[float], JobWatch]:
+    """The node_not_ready stream fed to a watch with a 30 s grace, on a clock the test moves on."""
+    _, records = _load("node_not_ready.jsonl")
     now = [0.0]
     watch = JobWatch("demo", not_ready_grace_s=30.0, clock=lambda: now[0])
     for record in records:
         now[0] = record["t"]
         watch.feed(record["event"])
+    return records, now, watch
+
+
+def test_a_node_not_ready_within_the_grace_is_not_yet_a_failure():
+    records, now, watch = _node_not_ready()
     assert [d.event.kind for d in watch.decisions] == [CAPACITY, CAPACITY]  # 10 s of a 30 s grace
     assert watch.capacity().hosts == 1  # but the pod there no longer counts as capacity
     now[0] = 90.0
@@ -104,12 +110,7 @@ def test_a_node_not_ready_within_the_grace_is_not_yet_a_failure():
 
 
 def test_a_node_back_to_ready_within_the_grace_costs_nothing():
-    header, records = _load("node_not_ready.jsonl")
-    now = [0.0]
-    watch = JobWatch("demo", not_ready_grace_s=30.0, clock=lambda: now[0])
-    for record in records:
-        now[0] = record["t"]
-        watch.feed(record["event"])
+    records, now, watch = _node_not_ready()
     back = copy.deepcopy(records[4]["event"])  # node-b, Ready Unknown -> True
     back["object"]["status"]["conditions"][0].update(status="True", reason="KubeletReady")
     assert back["object"]["metadata"]["name"] == "node-b"

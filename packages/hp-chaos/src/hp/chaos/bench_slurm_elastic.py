@@ -21,11 +21,10 @@ started by the harness, not Slurm jobs: Slurm's own scheduling delay (about a se
 from __future__ import annotations
 
 import os
-import statistics
 import tempfile
 from dataclasses import asdict, dataclass
 
-from hp.core.benchmeta import BenchRun
+from hp.core.benchmeta import BenchRun, spread
 
 DEFINITION_VERSION = 1  # event -> first commit at the new size (shrink: from the notice; grow: from capacity back)
 
@@ -40,11 +39,6 @@ class SlurmBenchConfig:
     corpus_mb: int = 16
     seed: int = 0
     log_dir: str | None = None
-
-
-def _stats(values: list[float]) -> dict:
-    return {"median": round(statistics.median(values), 3), "spread": [min(values), max(values)], "n": len(values)} \
-        if values else {"median": None, "spread": None, "n": 0}
 
 
 def run_bench(cfg: SlurmBenchConfig) -> dict:
@@ -65,17 +59,17 @@ def run_bench(cfg: SlurmBenchConfig) -> dict:
         log_dir=os.path.join(root, "torchrun")))
     per_kind = {kind: [e["first_commit_after_s"] for e in base.get("events", [])
                        if e["kind"] == kind and e.get("first_commit_after_s") is not None] for kind in ("preempt", "grow")}
-    shrink, grow = _stats(hp["shrink_s"]), _stats(hp["grow_s"])
-    b_shrink, b_grow = _stats(per_kind["preempt"]), _stats(per_kind["grow"])
+    figures = {"shrink_s": spread(hp["shrink_s"]), "grow_s": spread(hp["grow_s"]),
+               "baseline_shrink_s": spread(per_kind["preempt"]), "baseline_grow_s": spread(per_kind["grow"])}
+    median = {k: v["median"] if v else None for k, v in figures.items()}
     return bench.stamp({
         "completed": bool(hp["completed"] and base.get("completed")),
         "config": asdict(cfg),
-        "shrink_s": shrink["median"], "grow_s": grow["median"],
-        "baseline_s": {"shrink_s": b_shrink["median"], "grow_s": b_grow["median"]},
-        "spread": {"shrink_s": shrink, "grow_s": grow, "baseline_shrink_s": b_shrink, "baseline_grow_s": b_grow},
-        "ratio": {k: round(b / h, 2) if h and b else None
-                  for k, h, b in (("shrink", shrink["median"], b_shrink["median"]),
-                                  ("grow", grow["median"], b_grow["median"]))},
+        "shrink_s": median["shrink_s"], "grow_s": median["grow_s"],
+        "baseline_s": {"shrink_s": median["baseline_shrink_s"], "grow_s": median["baseline_grow_s"]},
+        "spread": figures,
+        "ratio": {k: round(median[f"baseline_{k}_s"] / median[f"{k}_s"], 2)
+                  if median[f"{k}_s"] and median[f"baseline_{k}_s"] else None for k in ("shrink", "grow")},
         "definition": "event -> first commit at the new size; hp shrink from the controller's preempt decision "
                       "(the unit's agent got Slurm's SIGTERM), hp grow from the end of the job holding the node; "
                       "torchrun from the harness's SIGTERM to an agent / start of a new agent",
@@ -92,12 +86,14 @@ def run_bench(cfg: SlurmBenchConfig) -> dict:
 
 def format_table(result: dict) -> str:
     s = result["spread"]
-    row = lambda label, h, b: (f"{label:8} {h['median'] if h['median'] is not None else float('nan'):>8.3f} "  # noqa: E731
-                               f"{str(h['spread']):>20} {b['median'] if b['median'] is not None else float('nan'):>13.3f} "
-                               f"{str(b['spread']):>20}")
+
+    def cell(v: dict | None) -> str:
+        return f"{v['median']:>8.3f} {'[%.3f-%.3f]' % (v['min'], v['max']):>15}" if v else f"{'-':>8} {'':>15}"
+
     return "\n".join([
         "hp bench elastic --scheduler slurm: event -> first commit at the new size (s), 1 rank per node, 2 nodes",
-        f"{'':8} {'hp':>8} {'spread':>20} {'torchrun+DCP':>13} {'spread':>20}",
-        row("shrink", s["shrink_s"], s["baseline_shrink_s"]), row("grow", s["grow_s"], s["baseline_grow_s"]),
+        f"{'':8} {'hp':>8} {'[min-max]':>15} {'torchrun+DCP':>13} {'[min-max]':>15}",
+        f"{'shrink':8} {cell(s['shrink_s'])} {cell(s['baseline_shrink_s']):>29}",
+        f"{'grow':8} {cell(s['grow_s'])} {cell(s['baseline_grow_s']):>29}",
         f"hp world sizes {result['hp']['world_sizes']}, lost steps {result['hp']['lost_steps']}; "
         f"torchrun+DCP lost steps {result['baseline']['lost_steps']}"])

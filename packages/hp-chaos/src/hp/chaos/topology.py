@@ -44,6 +44,8 @@ import subprocess
 import time
 from collections.abc import Sequence
 
+from hp.core.worker_signals import pid_alive
+
 PREFIX = "hpt"
 NETNS_DIR = "/var/run/netns"
 _ALIAS = "hp-topology owner="
@@ -108,16 +110,6 @@ def _kill_netns_processes(path: str) -> set[int]:
         killed.update(pids)
         time.sleep(0.01)
     return killed
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 class Topology:
@@ -297,7 +289,7 @@ def cleanup_stale() -> list[str]:
     removed = []
     for name in sorted(os.listdir(NETNS_DIR)) if os.path.isdir(NETNS_DIR) else []:
         parts = name.split("-")
-        if len(parts) == 4 and parts[0] == PREFIX and parts[1].isdigit() and not _alive(int(parts[1])):
+        if len(parts) == 4 and parts[0] == PREFIX and parts[1].isdigit() and not pid_alive(int(parts[1])):
             _kill_netns_processes(os.path.join(NETNS_DIR, name))
             _run(["ip", "netns", "del", name], check=False)
             removed.append(name)
@@ -306,7 +298,7 @@ def cleanup_stale() -> list[str]:
         alias = link.get("ifalias", "")
         if link["ifname"].startswith(PREFIX) and alias.startswith(_ALIAS):
             owner = alias[len(_ALIAS):]
-            if owner.isdigit() and not _alive(int(owner)):
+            if owner.isdigit() and not pid_alive(int(owner)):
                 _run(["ip", "link", "del", link["ifname"]], check=False)
                 removed.append(link["ifname"])
     return removed

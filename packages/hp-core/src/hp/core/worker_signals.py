@@ -34,7 +34,8 @@ from collections.abc import Callable, Mapping
 from hp.core.protocol import AGENT_PID_ENV
 
 
-def _alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` exists (one of another user's counts)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -67,7 +68,7 @@ def _wait(agent: int, say: Callable[[str], None]) -> None:
     told = False
     while True:
         info = signal.sigwaitinfo({signal.SIGTERM})
-        if info.si_pid == agent or not _alive(agent):
+        if info.si_pid == agent or not pid_alive(agent):
             # delivered again to this thread alone: the default action ends the process, as before; a
             # handler the script installed runs (in the main thread) as it would have
             signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGTERM})
