@@ -27,11 +27,14 @@ if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null && ! command -v etcd >/de
 fi
 
 # The `slurm` scheduler backend's tests run a real Slurm (hp.core.slurm_cluster: munged, slurmctld and a
-# slurmd per fake node, on free ports, in a private directory); no system daemon is left running.
-if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null && ! command -v slurmctld >/dev/null 2>&1; then
-    apt-get install -y -qq slurm-wlm munge >/dev/null 2>&1 \
-        || { apt-get update -qq && apt-get install -y -qq slurm-wlm munge >/dev/null; }
-    { command -v systemctl && systemctl disable --now munge slurmd slurmctld; } >/dev/null 2>&1 || true
+# slurmd per fake node, on free ports, in a private directory); the QOS quota tests add accounting
+# (hp.core.slurm_accounting: a private MariaDB and slurmdbd). No system daemon is left running.
+if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null \
+        && { ! command -v slurmctld || ! command -v slurmdbd || ! command -v mariadbd; } >/dev/null 2>&1; then
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get install -y -qq slurm-wlm munge slurmdbd mariadb-server >/dev/null 2>&1 \
+        || { apt-get update -qq && apt-get install -y -qq slurm-wlm munge slurmdbd mariadb-server >/dev/null; }
+    { command -v systemctl && systemctl disable --now munge slurmd slurmctld slurmdbd mariadb; } >/dev/null 2>&1 || true
 fi
 
 [ -x .venv/bin/python ] || "$PYTHON" -m venv .venv

@@ -37,6 +37,24 @@ def test_grow_preempt_regrow_and_node_down_bit_identical(tmp_path):
     assert "NODE_FAIL" in states and states.count("COMPLETED") >= 2, brief  # the DOWN node's unit; the preempted
 
 
+def test_the_job_grows_to_its_qos_quota_then_into_the_raised_quota(tmp_path):
+    """Slurm accounting (MariaDB + slurmdbd) enforcing a QOS that lets the user hold 3 of the 4 nodes: the
+    2-node base grows by one unit, the other waits for the quota (Slurm's reason), and capacity() says 3;
+    the quota raised to 4, the waiting unit starts and the job grows to 4. Bit-identical to a 4-rank run."""
+    r = run_slurm_elastic(SlurmElasticConfig(log_dir=str(tmp_path), steps=200, quota=3, node_down=False))
+    brief = {k: r.get(k) for k in ("error", "world_sizes", "marks", "units", "base_state", "grow_s",
+                                   "base_capacity_log", "state_differences", "error_tail")}
+    assert r["completed"], json.dumps(brief, indent=1)
+    assert r["world_sizes"] == [2, 3, 4], brief
+    assert r["lost_steps"] == 0 and r["bitwise_equal"], brief
+    at_quota, raised = [m for m in r["marks"] if m["kind"] == "capacity_read"]
+    assert (at_quota["hosts"], at_quota["quota_hosts"]) == (3, 3), brief
+    assert at_quota["waiting"] == ["QOSMaxNodePerUserLimit"], brief
+    assert (raised["hosts"], raised["quota_hosts"], raised["waiting"]) == (4, 4, []), brief
+    assert len(r["grow_s"]) == 1, brief  # from the quota raised to the first commit at 4
+    assert any("QOS quota 3" in line for line in r["base_capacity_log"]), brief  # the base job saw it too
+
+
 def test_timings_read_the_notice_and_the_first_commit_at_the_new_size():
     commits = [(10.0, 0, 2), (11.0, 1, 4), (12.0, 2, 4), (13.5, 3, 2), (14.0, 4, 2), (20.0, 5, 4)]
     decisions = [{"t": 9.0, "decision": "preempt"}, {"t": 12.5, "decision": "preempt"}]

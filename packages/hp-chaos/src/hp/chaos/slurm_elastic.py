@@ -14,6 +14,11 @@ what Slurm decides.
 3. **node DOWN** (``node_down``): the node of the last unit is set DOWN (``scontrol update``): Slurm ends
    its job and hp shrinks (``max`` → ``max - 1``); its new unit waits for a node that never comes back.
 
+With ``quota`` set, the cluster enforces QOS limits instead (MariaDB + slurmdbd,
+:mod:`hp.core.slurm_accounting`) and the job runs under a QOS that lets one user hold ``quota`` nodes:
+it grows only to ``quota`` (the last unit pends, ``QOSMaxNodePerUserLimit``) and :meth:`capacity` says so;
+the quota is raised to ``max`` and the job grows into it (``quota`` → ``max``).
+
 Then the job trains to its last step. Its per-step losses and every rank's final state are compared,
 bit for bit, with a fixed-size run at the final size (:func:`hp.elastic.demo.run.reference_run`).
 ``shrink_s``: the preemption notice (the controller's ``preempt`` decision: the unit's agent asks to
@@ -37,6 +42,7 @@ from hp.core.slurm_job import SlurmJobSpec, submit
 from hp.core.testing import free_port
 
 POLL_S = 0.2
+QOS = "hpquota"
 
 
 @dataclass
@@ -54,6 +60,7 @@ class SlurmElasticConfig:
     cycles: int = 1  # preemptions (each followed by capacity coming back)
     high_s: float = 2.0  # how long the preempting job runs
     node_down: bool = True
+    quota: int | None = None  # the QOS scenario instead of the tenant/preemption/DOWN one (see above)
     grace_s: int = 10  # the unit partition's GraceTime (hp run --grace-period: 1.5 s less)
     reference: bool = True
     log_dir: str | None = None
@@ -74,7 +81,8 @@ class _Run:
             entrypoint=train, job_dir=os.path.join(root, "job"), min_nodes=cfg.min_nodes, max_nodes=cfg.max_nodes,
             scaling_policy=policy, base_partition="high", unit_partition="low", port=free_port(),
             run_id=f"slurm{os.getpid()}", grace_period_s=max(1.0, cfg.grace_s - 1.5),
-            run_flags=["--tee", "0", "--monitor-interval", "0.05"])
+            run_flags=["--tee", "0", "--monitor-interval", "0.05"],
+            sbatch_options=[f"--qos={QOS}"] if cfg.quota else [])
         self.deadline = time.monotonic() + cfg.timeout_s
         self.marks: list[dict] = []  # what this run did, when (wall clock)
 
@@ -129,6 +137,37 @@ class _Run:
         return self.cli.sbatch(script, "-p", "high", "-N", str(self.cfg.max_nodes - self.cfg.min_nodes), "-J",
                                f"high{cycle}", f"--output={self.root}/high{cycle}-%j.out")
 
+    def capacity(self) -> dict:
+        """What the job's scheduler backend says (its base and units held, its QOS quota), and why the
+        units that wait do."""
+        from hp.core.slurm import SlurmScheduler
+
+        names = [self.spec.job_name(), *(self.spec.job_name(s) for s in self.spec.unit_slots)]
+        cap = SlurmScheduler(self.slurm.env, job_names=tuple(names), qos=QOS).capacity("low")
+        waiting = sorted(j.reason for j in self.cli.jobs(names) if j.state == "PENDING")
+        return {"t": time.time(), "hosts": cap.hosts, "quota_hosts": cap.quota_hosts, "waiting": waiting}
+
+    def drive_quota(self) -> None:
+        """The QOS scenario (module docstring): grow to the quota, then into the raised quota."""
+        from hp.core.slurm_accounting import set_qos
+
+        cfg, quota = self.cfg, self.cfg.quota
+        submit(self.spec, os.urandom(16).hex(), self.cli)
+        self.mark("submitted")
+        self.wait(f"{cfg.hold_steps} steps at the quota ({quota} nodes)", self.held(quota, 0.0))
+        self.marks.append({"kind": "capacity_read", **self.capacity()})
+        set_qos(self.cli, QOS, MaxTRESPerUser=f"node={cfg.max_nodes}")
+        t = self.mark("capacity", how=f"the QOS quota raised to {cfg.max_nodes} nodes")
+        self.wait(f"the job growing into the raised quota ({quota} -> {cfg.max_nodes})", self.held(cfg.max_nodes, t))
+        self.marks.append({"kind": "capacity_read", **self.capacity()})
+        self.finish()
+
+    def finish(self) -> None:
+        while self.base_state() in ("PENDING", "RUNNING", "CONFIGURING", "COMPLETING"):
+            if time.monotonic() > self.deadline:
+                raise _Failed("the job did not finish in time")
+            time.sleep(POLL_S)
+
     def unit_node(self, slot: int) -> str:
         running = [j for j in self.cli.jobs([self.spec.job_name(slot)]) if j.state == "RUNNING"]
         if not running:
@@ -159,10 +198,7 @@ class _Run:
             self.cli.set_node_state(node, "DOWN", "hp-test")
             t = self.mark("node_down", node=node)
             self.wait(f"the shrink after {node} went DOWN", lambda cs, t=t: any(w == high - 1 for tt, _, w in cs if tt > t))
-        while self.base_state() in ("PENDING", "RUNNING", "CONFIGURING", "COMPLETING"):
-            if time.monotonic() > self.deadline:
-                raise _Failed("the job did not finish in time")
-            time.sleep(POLL_S)
+        self.finish()
 
 
 def timings(commits: list[tuple[float, int, int]], decisions: list[dict], marks: list[dict], low: int,
@@ -199,13 +235,19 @@ def run_slurm_elastic(cfg: SlurmElasticConfig) -> dict:
     demo = ElasticDemoConfig(steps=cfg.steps, global_batch=cfg.global_batch, micro_batch=cfg.micro_batch,
                              model_size=cfg.model_size, exact=cfg.exact, corpus_mb=cfg.corpus_mb, seed=cfg.seed,
                              log_dir=root, timeout_s=cfg.timeout_s)
-    final = cfg.max_nodes - (1 if cfg.node_down else 0)
+    final = cfg.max_nodes - (1 if cfg.node_down and not cfg.quota else 0)
     reference = reference_run(demo, root, policy, ranks=final) if cfg.reference else None
     error, start = None, time.monotonic()
-    with LocalSlurm(nodes=cfg.max_nodes, grace_s=cfg.grace_s) as slurm:
+    with LocalSlurm(nodes=cfg.max_nodes, grace_s=cfg.grace_s, accounting=cfg.quota is not None) as slurm:
         run = _Run(cfg, slurm, root, policy, train_argv(demo, policy))
         try:
-            run.drive()
+            if cfg.quota:
+                from hp.core.slurm_accounting import set_qos
+
+                set_qos(run.cli, QOS, MaxTRESPerUser=f"node={cfg.quota}")
+                run.drive_quota()
+            else:
+                run.drive()
         except _Failed as e:
             error = str(e)
         base_state = run.base_state()
@@ -223,6 +265,7 @@ def run_slurm_elastic(cfg: SlurmElasticConfig) -> dict:
         "events": scale_events(events), "marks": run.marks, "base_state": base_state, "units": units,
         **timings(run.commits(), decisions, run.marks, cfg.min_nodes, cfg.max_nodes),
         "grace_s": cfg.grace_s, "wall_s": round(wall, 2), "log_dir": root,
+        "base_capacity_log": _lines(glob.glob(os.path.join(run.spec.job_dir, f"{run.spec.job_name()}-*.out")), "capacity:"),
     }
     if reference is not None:
         ref_losses = {s: {e["loss"] for e in es} for s, es in commits(reference.events).items()}
@@ -235,6 +278,14 @@ def run_slurm_elastic(cfg: SlurmElasticConfig) -> dict:
     if not result["completed"]:
         result["error_tail"] = _tails(run.spec.job_dir)
     return result
+
+
+def _lines(paths: list[str], needle: str) -> list[str]:
+    out = []
+    for path in sorted(paths):
+        with open(path, errors="replace") as f:
+            out += [line.strip() for line in f if needle in line]
+    return out
 
 
 def _tails(job_dir: str, n: int = 1500) -> dict[str, str]:

@@ -26,6 +26,7 @@ class Capacity:
     slots_per_host: int  # worker processes one host can hold
     preemption_requested: bool = False  # the scheduler wants capacity back
     replicas: int | None = None  # ranks an elastic job may use now (None: the scheduler does not say)
+    quota_hosts: int | None = None  # hosts the job's quota lets it hold (None: no quota applies)
 
 
 class SchedulerBackend:

@@ -7,9 +7,11 @@ or ``/etc/slurm/slurm.conf``) and no accounting. TorchX's slurm scheduler submit
 a job's state only through ``sacct`` (slurmdbd accounting) and reports PREEMPTED as FAILED: hp reads
 state from ``squeue`` instead (:meth:`SlurmScheduler.state`, :meth:`SlurmScheduler.wait`).
 
-Capacity (``source`` names the partition, else the job's own; ``hp run`` does not follow it yet): the hosts
-the job could use now are the partition's idle nodes plus the nodes it holds; a pending job of a
-partition with a higher ``PriorityTier`` that shares nodes with this one is preemption on its way.
+Capacity (``source`` names the partition, else the job's own): the hosts the job could use now are the
+partition's idle nodes plus the nodes it holds, capped by its QOS quota (:mod:`hp.core.slurm_quota`,
+where the cluster enforces limits); a pending job of a partition with a higher ``PriorityTier`` that
+shares nodes with this one is preemption on its way. An elastic job's base logs it as it changes
+(:func:`hp.core.slurm_units.run_base`); ``hp slurm capacity`` prints it.
 """
 
 from __future__ import annotations
@@ -23,8 +25,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from hp.core.config import check_name
 from hp.core.errors import BackendUnavailableError, UsageError
 from hp.core.scheduler import Capacity, SchedulerBackend
+from hp.core.slurm_quota import ALLOCATED, QOS_FORMAT, QosLimits, quota_hosts
 
 if TYPE_CHECKING:
     from torchx.specs import AppDef
@@ -58,6 +62,8 @@ class SlurmJob:
     reason: str = "None"  # why it pends: Resources, Priority, JobHeldUser, BeginTime, Dependency, ...
     het_job_id: str = ""  # a heterogeneous job's components (TorchX submits one) share it
     name: str = ""
+    qos: str = ""
+    user: str = ""
 
     @property
     def active(self) -> bool:
@@ -104,7 +110,8 @@ class SlurmCli:
         out = self._json("squeue", *((f"--name={','.join(names)}",) if names else ()))
         jobs = [SlurmJob(str(j["job_id"]), j["partition"], str(j["job_state"]), j.get("nodes") or "",
                          int(j.get("node_count") or 0), str(j.get("state_reason") or "None"),
-                         str(j.get("het_job_id") or ""), str(j.get("name") or "")) for j in out.get("jobs", [])]
+                         str(j.get("het_job_id") or ""), str(j.get("name") or ""), str(j.get("qos") or ""),
+                         str(j.get("user_name") or "")) for j in out.get("jobs", [])]
         return [j for j in jobs if j.name in names] if names else jobs
 
     def partitions(self) -> dict[str, dict[str, str]]:
@@ -115,6 +122,21 @@ class SlurmCli:
             if "PartitionName" in fields:
                 out[fields["PartitionName"]] = fields
         return out
+
+    def enforces_limits(self) -> bool:
+        """Whether the cluster enforces QOS limits (``AccountingStorageEnforce`` names ``limits``)."""
+        for line in self.run("scontrol", "show", "config").splitlines():
+            key, _, value = line.partition("=")
+            if key.strip() == "AccountingStorageEnforce":
+                return "limits" in value.strip().split(",")
+        return False
+
+    def qos(self, name: str) -> QosLimits:
+        check_name(name, "the QOS")  # an argument of sacctmgr: never one of its key=value options
+        lines = [line for line in self.run("sacctmgr", "-nP", "show", "qos", name, QOS_FORMAT).splitlines() if line.strip()]
+        if not lines:
+            raise SlurmError(f"slurm: unknown QOS {name!r}")
+        return QosLimits.parse(lines[0])
 
     def default_partition(self) -> str:
         default = next((name for name, f in self.partitions().items() if f.get("Default") == "YES"), None)
@@ -142,9 +164,13 @@ class SlurmScheduler(SchedulerBackend):
     name = "slurm"
     torchx_scheduler = "slurm"
 
-    def __init__(self, env: Mapping[str, str] | None = None) -> None:
+    def __init__(self, env: Mapping[str, str] | None = None, job_names: tuple[str, ...] = (),
+                 qos: str | None = None) -> None:
+        """``job_names``: the names of this job's other Slurm jobs (an elastic job's units), whose nodes it
+        holds too; ``qos``: the QOS whose quota applies (default: this job's, else ``SLURM_JOB_QOS``)."""
         self.cli = SlurmCli(env)
         self._env = {**os.environ, **(env or {})}
+        self._names, self._qos = frozenset(job_names), qos
 
     def hosts(self) -> list[str]:
         """The nodes of the allocation this process runs in (``SLURM_JOB_NODELIST``)."""
@@ -163,11 +189,23 @@ class SlurmScheduler(SchedulerBackend):
         nodes = [n for n in self.cli.nodes(partition) if partition in n.partitions]
         job_id = self._env.get("SLURM_JOB_ID")
         jobs = self.cli.jobs()
-        own = next((job for job in jobs if job.job_id == job_id), None)
-        held = set(self.cli.hostnames(own.nodes)) if own is not None else set()
+        own = [job for job in jobs if job.job_id == job_id or job.name in self._names]
+        held = {host for job in own if job.state in ALLOCATED for host in self.cli.hostnames(job.nodes)}
         usable = [n for n in nodes if n.state in FREE_STATES or n.name in held]
-        return Capacity(hosts=len(usable), slots_per_host=min((n.cpus for n in nodes), default=0),
-                        preemption_requested=self._preemption_pending(mine, partitions, {n.name for n in nodes}, jobs))
+        quota = self._quota(jobs, own)
+        return Capacity(hosts=len(usable) if quota is None else min(len(usable), quota),
+                        slots_per_host=min((n.cpus for n in nodes), default=0),
+                        preemption_requested=self._preemption_pending(mine, partitions, {n.name for n in nodes}, jobs),
+                        quota_hosts=quota)
+
+    def _quota(self, jobs: list[SlurmJob], own: list[SlurmJob]) -> int | None:
+        """Nodes the job's QOS lets it hold (None: no QOS named, or the cluster enforces no limits)."""
+        qos = self._qos or next((j.qos for j in own if j.qos), None) or self._env.get("SLURM_JOB_QOS")
+        if not qos or not self.cli.enforces_limits():
+            return None
+        limits = self.cli.qos(qos)
+        user = next((j.user for j in own if j.user), None) or current_user()
+        return quota_hosts(limits, jobs, user, {j.job_id for j in own})
 
     def _preemption_pending(self, mine: dict[str, str], partitions: dict[str, dict[str, str]], my_nodes: set[str],
                             jobs: list[SlurmJob]) -> bool:
@@ -211,6 +249,12 @@ class SlurmScheduler(SchedulerBackend):
     def _require(self) -> None:
         if not self.cli.available():
             raise BackendUnavailableError("slurm: `sinfo` is not on PATH (is this a Slurm client?)")
+
+
+def current_user() -> str:
+    import pwd
+
+    return pwd.getpwuid(os.getuid()).pw_name
 
 
 def _job_id(handle: str) -> str:

@@ -3,7 +3,7 @@
     hp slurm submit --nnodes 2:4 --scaling-policy policy.yaml --base-partition high --unit-partition low \\
         --job-dir /shared/jobs/run1 -- -m hp.elastic.demo.train --exact
 
-``submit`` is what a user types; ``base`` (the base job's batch step) and ``agent`` (one node's ``srun``
+``submit`` is what a user types, ``capacity`` what they ask (idle nodes, the QOS quota, preemption); ``base`` (the base job's batch step) and ``agent`` (one node's ``srun``
 task: it becomes that node's ``hp run``) are what the generated scripts run.
 """
 
@@ -69,6 +69,24 @@ def _agent(args: argparse.Namespace) -> int:
     return 1  # not reached
 
 
+def _capacity(args: argparse.Namespace) -> int:
+    import json
+    from dataclasses import asdict
+
+    from hp.core.config import check_name
+    from hp.core.slurm import SlurmScheduler
+    from hp.core.slurm_job import job_name
+
+    names = tuple(job_name(check_name(args.run_id, "--run-id"), slot) for slot in (None, *range(args.max_nodes))) \
+        if args.run_id else ()
+    cap = SlurmScheduler(job_names=names, qos=args.qos).capacity(args.partition)
+    print(json.dumps(asdict(cap)) if args.json else
+          f"{cap.hosts} node(s) of {cap.slots_per_host} CPUs; QOS quota: "
+          f"{'none' if cap.quota_hosts is None else f'{cap.quota_hosts} node(s)'}; preemption pending: "
+          f"{'yes' if cap.preemption_requested else 'no'}")
+    return 0
+
+
 def _add_slurm(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("slurm", help="run an elastic hp job on Slurm: a base allocation plus scaling units")
     verbs = p.add_subparsers(dest="slurm_verb", required=True)
@@ -93,6 +111,13 @@ def _add_slurm(sub: argparse._SubParsersAction) -> None:
     b = verbs.add_parser("base", help="(run by the base job) start the agents and keep the units")
     b.add_argument("spec")
     b.set_defaults(handler=_base)
+    c = verbs.add_parser("capacity", help="nodes a job could use now: idle ones and its own, within its QOS quota")
+    c.add_argument("--partition", default=None, help="default: the job's own (inside one), else the cluster's default")
+    c.add_argument("--qos", default=None, help="whose quota applies (default: the job's, else SLURM_JOB_QOS)")
+    c.add_argument("--run-id", default=None, help="an hp slurm job's run id: its base and units count as held")
+    c.add_argument("--max-nodes", type=int, default=64, help="with --run-id: its unit slots to look for")
+    c.add_argument("--json", action="store_true")
+    c.set_defaults(handler=_capacity)
     g = verbs.add_parser("agent", help="(an srun task) become this node's hp run")
     g.add_argument("spec")
     g.add_argument("--endpoint", required=True, help="the controller's HOST:PORT")

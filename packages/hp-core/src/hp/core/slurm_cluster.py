@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 from hp.core.errors import BackendUnavailableError
 from hp.core.slurm import SlurmCli, SlurmError
+from hp.core.slurm_accounting import Accounting
 from hp.core.testing import free_port, kill_tagged
 
 DAEMONS = ("munged", "slurmctld", "slurmd")
@@ -36,6 +37,7 @@ class LocalSlurm:
     memory_mb: int = 2048
     grace_s: int = 5
     slurmd_timeout_s: int = 5
+    accounting: bool = False  # MariaDB + slurmdbd: QOS limits enforced (hp.core.slurm_accounting)
     root: str = ""
     env: dict[str, str] = field(default_factory=dict)
     _procs: list[subprocess.Popen] = field(default_factory=list)
@@ -54,8 +56,11 @@ class LocalSlurm:
             os.makedirs(os.path.join(self.root, sub), mode=0o700, exist_ok=True)
         try:
             self._start_munge()
-            conf = self._write_conf()
+            acct = Accounting(self.root) if self.accounting else None
+            conf = self._write_conf(acct.conf_lines() if acct else "AccountingStorageType=accounting_storage/none\n")
             self.env = {"SLURM_CONF": conf}
+            if acct:
+                acct.start(self._spawn, self.cluster_name, self.cli, timeout_s)
             self._spawn("slurmctld", "-D", "-f", conf)
             for name in self.node_names:
                 self._spawn("slurmd", "-D", "-f", conf, "-N", name)
@@ -88,7 +93,7 @@ class LocalSlurm:
         with log:
             self._procs.append(subprocess.Popen([self._daemon(name), *argv], stdout=log, stderr=subprocess.STDOUT,
                                                 stdin=subprocess.DEVNULL, start_new_session=True,
-                                                env={**os.environ, TAG: self.root}))
+                                                env={**os.environ, **self.env, TAG: self.root}))
 
     def _start_munge(self) -> None:
         d = os.path.join(self.root, "munge")
@@ -103,13 +108,17 @@ class LocalSlurm:
                 raise SlurmError(f"munged did not start (see {d}/log)")
             time.sleep(0.05)
 
-    def _write_conf(self) -> str:
+    @property
+    def cluster_name(self) -> str:
+        return f"hp{os.getpid()}"
+
+    def _write_conf(self, accounting: str) -> str:
         r, ctld = self.root, free_port()
         nodes = "\n".join(f"NodeName={n} NodeHostname=localhost Port={free_port()} CPUs={self.cpus} RealMemory={self.memory_mb} State=UNKNOWN"
                           for n in self.node_names)
         names = ",".join(self.node_names)
         text = f"""\
-ClusterName=hp{os.getpid()}
+ClusterName={self.cluster_name}
 SlurmctldHost=localhost
 SlurmctldPort={ctld}
 AuthType=auth/munge
@@ -134,8 +143,7 @@ SlurmdTimeout={self.slurmd_timeout_s}
 MessageTimeout=5
 MpiDefault=none
 JobAcctGatherType=jobacct_gather/none
-AccountingStorageType=accounting_storage/none
-PreemptType=preempt/partition_prio
+{accounting}PreemptType=preempt/partition_prio
 PreemptMode=REQUEUE
 {nodes}
 PartitionName=low Nodes={names} Default=YES PriorityTier=1 PreemptMode=REQUEUE GraceTime={self.grace_s} OverSubscribe=EXCLUSIVE MaxTime=INFINITE State=UP

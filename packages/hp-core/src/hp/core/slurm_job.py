@@ -87,8 +87,7 @@ class SlurmJobSpec:
         return range(self.min_nodes, self.max_nodes)
 
     def job_name(self, slot: int | None = None) -> str:
-        """``hp-RUNID-base``, or ``hp-RUNID-uK`` for the unit of node rank ``K``."""
-        return f"hp-{self.run_id}-{'base' if slot is None else f'u{slot}'}"
+        return job_name(self.run_id, slot)
 
     def path(self, name: str) -> str:
         return os.path.join(self.job_dir, name)
@@ -108,6 +107,11 @@ class SlurmJobSpec:
             if not _has_type(value, types[name]):
                 raise UsageError(f"slurm job spec {path}: {name} must be {types[name]}, got {value!r}")
         return cls(**raw).validate()
+
+
+def job_name(run_id: str, slot: int | None = None) -> str:
+    """``hp-RUNID-base``, or ``hp-RUNID-uK`` for the unit of node rank ``K``."""
+    return f"hp-{run_id}-{'base' if slot is None else f'u{slot}'}"
 
 
 def _has_type(value: object, spec: str) -> bool:

@@ -28,10 +28,11 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from enum import Enum
 
-from hp.core.slurm import SlurmCli, SlurmError, SlurmJob
+from hp.core.slurm import SlurmCli, SlurmError, SlurmJob, SlurmScheduler
 from hp.core.slurm_job import SlurmJobSpec, head_endpoint, srun_agent, unit_script
 
 POLL_S = 1.0
+CAPACITY_EVERY_S = 5.0  # the base logs the job's capacity (idle nodes, QOS quota, preemption) as it changes
 
 
 class Slot(str, Enum):
@@ -98,6 +99,27 @@ def _terminated(signum: int, _frame: object) -> None:
     raise SystemExit(128 + signum)  # scancel of the base: the finally below cancels the units
 
 
+class _CapacityLog:
+    """The job's capacity (its base and units: :meth:`SlurmScheduler.capacity`), logged when it changes."""
+
+    def __init__(self, scheduler: SlurmScheduler, partition: str | None) -> None:
+        self.scheduler, self.partition, self.last, self.next = scheduler, partition, None, 0.0
+
+    def poll(self) -> None:
+        if time.monotonic() < self.next:
+            return
+        self.next = time.monotonic() + CAPACITY_EVERY_S
+        try:
+            cap = self.scheduler.capacity(self.partition)
+        except SlurmError as e:
+            cap = str(e)
+        if cap != self.last:
+            self.last = cap
+            _say(cap if isinstance(cap, str) else f"capacity: {cap.hosts} node(s), QOS quota "
+                 f"{'none' if cap.quota_hosts is None else cap.quota_hosts}, preemption pending: "
+                 f"{'yes' if cap.preemption_requested else 'no'}")
+
+
 def run_base(spec: SlurmJobSpec, cli: SlurmCli, job_id: str, nodelist: str, poll_s: float = POLL_S) -> int:
     """The base job's batch step (see the module docstring); the agents' exit code."""
     signal.signal(signal.SIGTERM, _terminated)
@@ -107,8 +129,10 @@ def run_base(spec: SlurmJobSpec, cli: SlurmCli, job_id: str, nodelist: str, poll
          f"{list(spec.unit_slots)}")
     agents = subprocess.Popen(srun_agent(spec, endpoint, spec.min_nodes))
     names = list(keeper.names.values())
+    capacity = _CapacityLog(SlurmScheduler(job_names=tuple(names)), spec.unit_partition or spec.base_partition)
     try:
         while agents.poll() is None:
+            capacity.poll()
             if names:
                 try:
                     for slot in keeper.due(cli.jobs(names)):
