@@ -55,6 +55,23 @@ def test_the_job_grows_to_its_qos_quota_then_into_the_raised_quota(tmp_path):
     assert any("QOS quota 3" in line for line in r["base_capacity_log"]), brief  # the base job saw it too
 
 
+def test_a_failed_base_node_is_replaced_and_the_job_never_stops(tmp_path):
+    """Five nodes, the job at 4 (a 2-node base, two units): base node 1's node set DOWN. Slurm takes it out of
+    the base job (--no-kill) and kills its agent; the base job tells the controller at once (node_failed),
+    the job trains on at 3, and a replacement job for node rank 1 starts on the free node and joins (4).
+    Bit-identical to a 4-rank run."""
+    r = run_slurm_elastic(SlurmElasticConfig(log_dir=str(tmp_path), steps=200, base_down=True, node_down=False))
+    brief = {k: r.get(k) for k in ("error", "world_sizes", "marks", "units", "base_state", "grow_s", "events",
+                                   "state_differences", "error_tail")}
+    assert r["completed"], json.dumps(brief, indent=1)
+    assert r["world_sizes"] == [2, 3, 4, 3, 4], brief
+    assert r["lost_steps"] == 0 and r["bitwise_equal"], brief
+    shrink = next(e for e in r["events"] if e["to"] < e["from"])
+    # told by the scheduler, not found out a heartbeat timeout (30 s) later
+    assert shrink["gap_s"] < 10, shrink
+    assert any(name.endswith("-u1") and state in ("RUNNING", "COMPLETED") for name, state in r["units"].values()), brief
+
+
 def test_timings_read_the_notice_and_the_first_commit_at_the_new_size():
     commits = [(10.0, 0, 2), (11.0, 1, 4), (12.0, 2, 4), (13.5, 3, 2), (14.0, 4, 2), (20.0, 5, 4)]
     decisions = [{"t": 9.0, "decision": "preempt"}, {"t": 12.5, "decision": "preempt"}]

@@ -252,6 +252,29 @@ def test_a_lost_node_without_enough_spares_on_survivors_fails_the_job_naming_it(
                         "on the surviving nodes, 1 free")
 
 
+def test_a_node_the_scheduler_says_failed_is_lost_at_once_fenced_by_generation():
+    """node_failed (the Slurm base job, as the operator): the node's ranks go to spares now, not a heartbeat
+    timeout later; a report naming an old generation, a node not in the job or a malformed one changes
+    nothing; a node already lost is left alone."""
+    c, clock = running(nproc=2, spares=2, heartbeat_timeout_s=30)
+    for payload, status, message in (({"node": 1, "generation": 0}, 409, "stale generation 0"),
+                                     ({"node": 7, "generation": 1}, 404, "node 7 is not in the job"),
+                                     ({"node": "1", "generation": 1}, 400, "field 'node'"),
+                                     ({"node": 1}, 400, "field 'generation'")):
+        with pytest.raises(Refused, match=message) as e:
+            c.handle("node_failed", payload)
+        assert e.value.status == status and c.generation == 1 and not c.nodes[1].lost
+    answer = c.handle("node_failed", {"node": 1, "generation": 1, "reason": "Slurm took n2 out of job 7"})
+    assert answer == {"lost": True, "generation": 2} and c.nodes[1].lost  # no time passed: told, not timed out
+    assert (c.holders[2], c.holders[3]) == ("spare.n0s0", "spare.n0s1")
+    lost = next(d for d in c.decisions if d["decision"] == "node_lost")
+    assert lost["cause"] == "failed (Slurm took n2 out of job 7)"
+    assert c.handle("node_failed", {"node": 1, "generation": 2}) == {"lost": False, "generation": 2}
+    c2, _ = running(nproc=2, spares=0)
+    c2.handle("node_failed", {"node": 1, "generation": 1, "reason": "Slurm took n2 out of job 7"})
+    assert c2.state is JobState.FAILED and "node 1 (h1) lost: failed (Slurm took n2 out of job 7)" in c2.reason
+
+
 def test_the_lost_node_address_is_reported_and_told_to_survivors():
     c = Controller(ControllerConfig(nnodes=2, heartbeat_timeout_s=5), clock=(clock := Clock()))
     for n in range(2):

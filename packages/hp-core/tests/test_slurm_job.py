@@ -14,7 +14,8 @@ import pytest
 
 from hp.core.errors import UsageError
 from hp.core.slurm import SlurmJob
-from hp.core.slurm_job import SPEC_FILE, TOKEN_FILE, SlurmJobSpec, agent_argv, base_script, prepare, unit_script
+from hp.core.slurm_job import (SPEC_FILE, TOKEN_FILE, SlurmJobSpec, agent_argv, base_script, base_steps, prepare,
+                               unit_script)
 from hp.core.slurm_units import Slot, UnitKeeper
 
 TOKEN = "ab" * 16
@@ -54,6 +55,22 @@ def test_scripts_name_partitions_slots_and_the_controller(tmp_path):
     assert argv[argv.index("--log-dir") + 1] == spec.path("node3-77")
     fixed = agent_argv(_spec(tmp_path, max_nodes=2, scaling_policy=None), 1, "h:1", "1")
     assert "--scaling-policy" not in fixed and fixed[fixed.index("--nnodes") + 1] == "2"
+
+
+def test_a_failed_base_node_ends_its_agent_not_the_job(tmp_path):
+    """The base job has --no-kill; node 0's agent (the controller's) is a step of its own, whose exit is the
+    job's; the other base nodes' step numbers its tasks from node rank 1; a replacement of a base node is a
+    one-node job in the base partition."""
+    spec = _spec(tmp_path, min_nodes=3, max_nodes=4)
+    assert "#SBATCH --no-kill" in base_script(spec) and "#SBATCH --no-kill" not in unit_script(spec, 3, "h:1")
+    head, rest = base_steps(spec, "h:1", ["n1", "n2", "n3"])
+    assert "--nodelist=n1" in head and head[-2:] == ["--node-rank", "0"] and "--nodes=1" in head
+    assert "--exclude=n1" in rest and rest[-2:] == ["--node-rank-offset", "1"] and "--nodes=2" in rest
+    assert all("--no-kill" in step and "--kill-on-bad-exit=0" in step for step in (head, rest))
+    assert len(base_steps(_spec(tmp_path, min_nodes=1), "h:1", ["n1"])) == 1
+    replacement = unit_script(spec, 1, "h:1")
+    assert "#SBATCH --partition=high" in replacement and "#SBATCH --job-name=hp-r1-u1" in replacement
+    assert replacement.rstrip().endswith("--node-rank 1")
 
 
 @pytest.mark.parametrize("change, message", [

@@ -19,6 +19,11 @@ With ``quota`` set, the cluster enforces QOS limits instead (MariaDB + slurmdbd,
 it grows only to ``quota`` (the last unit pends, ``QOSMaxNodePerUserLimit``) and :meth:`capacity` says so;
 the quota is raised to ``max`` and the job grows into it (``quota`` → ``max``).
 
+With ``base_down`` set, the cluster has one node more than ``max``: once the job runs at ``max``, the
+node of base node rank 1 is set DOWN instead. The base job (``--no-kill``) goes on without it: its ranks
+are lost (``max`` → ``max - 1``) and a replacement job for that node rank starts on the free node and
+joins (back to ``max``).
+
 Then the job trains to its last step. Its per-step losses and every rank's final state are compared,
 bit for bit, with a fixed-size run at the final size (:func:`hp.elastic.demo.run.reference_run`).
 ``shrink_s``: the preemption notice (the controller's ``preempt`` decision: the unit's agent asks to
@@ -61,6 +66,7 @@ class SlurmElasticConfig:
     high_s: float = 2.0  # how long the preempting job runs
     node_down: bool = True
     quota: int | None = None  # the QOS scenario instead of the tenant/preemption/DOWN one (see above)
+    base_down: bool = False  # the base-node-failure scenario instead (see above)
     grace_s: int = 10  # the unit partition's GraceTime (hp run --grace-period: 1.5 s less)
     reference: bool = True
     log_dir: str | None = None
@@ -162,6 +168,21 @@ class _Run:
         self.marks.append({"kind": "capacity_read", **self.capacity()})
         self.finish()
 
+    def drive_base_down(self) -> None:
+        """The base-node-failure scenario (module docstring): lose base node 1, grow back on a replacement."""
+        cfg, high = self.cfg, self.cfg.max_nodes
+        submit(self.spec, os.urandom(16).hex(), self.cli)
+        self.mark("submitted")
+        self.wait(f"{cfg.hold_steps} steps at {high} nodes", self.held(high, 0.0))
+        base = next(j for j in self.cli.jobs([self.spec.job_name()]) if j.state == "RUNNING")
+        node = self.cli.hostnames(base.nodes)[1]
+        self.cli.set_node_state(node, "DOWN", "hp-test")
+        t = self.mark("base_node_down", node=node)
+        self.wait(f"the shrink after base node {node} went DOWN", lambda cs: any(w < high for tt, _, w in cs if tt > t))
+        t2 = self.mark("capacity", how="the replacement of the failed base node")
+        self.wait(f"the replacement growing the job back to {high}", self.held(high, t2))
+        self.finish()
+
     def finish(self) -> None:
         while self.base_state() in ("PENDING", "RUNNING", "CONFIGURING", "COMPLETING"):
             if time.monotonic() > self.deadline:
@@ -235,10 +256,10 @@ def run_slurm_elastic(cfg: SlurmElasticConfig) -> dict:
     demo = ElasticDemoConfig(steps=cfg.steps, global_batch=cfg.global_batch, micro_batch=cfg.micro_batch,
                              model_size=cfg.model_size, exact=cfg.exact, corpus_mb=cfg.corpus_mb, seed=cfg.seed,
                              log_dir=root, timeout_s=cfg.timeout_s)
-    final = cfg.max_nodes - (1 if cfg.node_down and not cfg.quota else 0)
+    final = cfg.max_nodes - (1 if cfg.node_down and not (cfg.quota or cfg.base_down) else 0)
     reference = reference_run(demo, root, policy, ranks=final) if cfg.reference else None
     error, start = None, time.monotonic()
-    with LocalSlurm(nodes=cfg.max_nodes, grace_s=cfg.grace_s, accounting=cfg.quota is not None) as slurm:
+    with LocalSlurm(nodes=cfg.max_nodes + cfg.base_down, grace_s=cfg.grace_s, accounting=cfg.quota is not None) as slurm:
         run = _Run(cfg, slurm, root, policy, train_argv(demo, policy))
         try:
             if cfg.quota:
@@ -246,6 +267,8 @@ def run_slurm_elastic(cfg: SlurmElasticConfig) -> dict:
 
                 set_qos(run.cli, QOS, MaxTRESPerUser=f"node={cfg.quota}")
                 run.drive_quota()
+            elif cfg.base_down:
+                run.drive_base_down()
             else:
                 run.drive()
         except _Failed as e:
@@ -253,7 +276,7 @@ def run_slurm_elastic(cfg: SlurmElasticConfig) -> dict:
         base_state = run.base_state()
         events = sorted(run.events(), key=lambda e: e["t"])
         decisions = run.decisions()
-        units = {j.job_id: (j.name, j.state) for j in run.cli.jobs([run.spec.job_name(s) for s in run.spec.unit_slots])}
+        units = {j.job_id: (j.name, j.state) for j in run.cli.jobs([run.spec.job_name(s) for s in range(1, cfg.max_nodes)])}
     wall = time.monotonic() - start
     worlds = world_by_step(events)
     steps = sorted(worlds)

@@ -22,6 +22,8 @@ spare_ready    the spare itself: only a free spare of that node moves up the fre
 heartbeat      none: liveness whatever the agent has seen; the answer carries the current generation
 join           the job's state: only during rendezvous (or, elastic, a node not yet a member)
 scale          none: the operator sets the desired capacity, not a change relative to a generation
+node_failed    the generation the reporter read (``state``): the scheduler (an operator identity, e.g.
+               the Slurm base job) says a node failed; a node already lost or done is left alone
 ============== ======================================================================================
 
 Durability (the HA controller, :mod:`hp.core.leader`): with a ``persist`` function injected, every
@@ -154,6 +156,7 @@ class Controller:
             Verb.NODE_STOPPING: self._node_stopping,
             Verb.NODE_LEAVING: self._not_elastic,  # hp.core.rescale.ElasticController handles these two
             Verb.SCALE: self._not_elastic,
+            Verb.NODE_FAILED: self._node_failed,
             Verb.STATE: lambda p: self.snapshot(),
         }
 
@@ -257,14 +260,32 @@ class Controller:
                     except Refused:
                         pass  # deposed: the new leader decides about these nodes
 
-    def _lose_nodes(self, lost: list[NodeRecord], now: float) -> None:
+    def _node_failed(self, p: dict) -> dict:
+        """The scheduler says node ``node`` failed: it is lost now, as a silent one is once the heartbeat
+        timeout has passed (its ranks go to spares, or an elastic job shrinks without them)."""
+        self._require_running()
+        node_rank, generation = request_field(p, "node", int), request_field(p, "generation", int)
+        if generation != self.generation:
+            raise Refused(409, f"stale generation {generation} (current is {self.generation})")
+        node = self.nodes.get(node_rank)
+        if node is None:
+            raise Refused(404, f"node {node_rank} is not in the job")
+        reason = p.get("reason") if isinstance(p.get("reason"), str) else "the scheduler"
+        if node.lost or node.done:
+            return {"lost": False, "generation": self.generation}
+        self._lose_nodes([node], self._clock(), cause=f"failed ({reason[:200]})")
+        return {"lost": True, "generation": self.generation}
+
+    def _lose_nodes(self, lost: list[NodeRecord], now: float, cause: str | None = None) -> None:
+        """``cause``: what the job's failure names (default: the silence)."""
         names = ", ".join(f"node {n.node_rank} ({n.host}{' ' + n.address if n.address else ''})" for n in lost)
         silent = max(now - n.last_seen for n in lost)
+        cause = cause or f"no heartbeat for {silent:.1f} s"
         gone = {n.node_rank for n in lost}
         for node in lost:
             node.lost = True
             self._log(Decision.NODE_LOST, node_rank=node.node_rank, host=node.host, address=node.address,
-                      silent_s=round(now - node.last_seen, 3))
+                      silent_s=round(now - node.last_seen, 3), cause=cause)
         self.spares.drop_nodes(gone)
         ranks = sorted(r for r, owner in self.members.items() if owner in gone)
         if not ranks:
@@ -272,7 +293,7 @@ class Controller:
         spares = self.spares.order()
         if len(spares) < len(ranks):
             if self._without_spare(ranks, f"{names} lost") is None:
-                self._fail(f"{names} lost: no heartbeat for {silent:.1f} s; its ranks {ranks} need {len(ranks)} "
+                self._fail(f"{names} lost: {cause}; its ranks {ranks} need {len(ranks)} "
                            f"spare(s) on the surviving nodes, {len(spares)} free")
             return
         moves = [(rank, spare, self._give(rank, spare)) for rank, spare in zip(ranks, spares)]

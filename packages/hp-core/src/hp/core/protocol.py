@@ -162,6 +162,7 @@ class Verb(StrEnum):
     NODE_STOPPING = "node_stopping"
     NODE_LEAVING = "node_leaving"  # graceful preemption: the node's ranks leave at a step boundary
     SCALE = "scale"  # an operator (``hp scale``) or a capacity source sets the job's capacity
+    NODE_FAILED = "node_failed"  # the scheduler says a node failed (Slurm took it out of the job)
     STATE = "state"
 
 

@@ -61,7 +61,7 @@ def _agent(args: argparse.Namespace) -> int:
         node_id = os.environ.get("SLURM_NODEID", "")
         if not node_id.isdigit():
             raise UsageError("hp slurm agent: no --node-rank and no SLURM_NODEID (not an srun task)")
-        rank = int(node_id)
+        rank = int(node_id) + args.node_rank_offset
     if not 0 <= rank < spec.max_nodes:
         raise UsageError(f"hp slurm agent: node rank {rank} outside 0..{spec.max_nodes - 1}")
     argv = agent_argv(spec, rank, args.endpoint, os.environ.get("SLURM_JOB_ID", "0"))
@@ -121,7 +121,9 @@ def _add_slurm(sub: argparse._SubParsersAction) -> None:
     g = verbs.add_parser("agent", help="(an srun task) become this node's hp run")
     g.add_argument("spec")
     g.add_argument("--endpoint", required=True, help="the controller's HOST:PORT")
-    g.add_argument("--node-rank", type=int, default=None, help="default: SLURM_NODEID")
+    g.add_argument("--node-rank", type=int, default=None, help="default: SLURM_NODEID + --node-rank-offset")
+    g.add_argument("--node-rank-offset", type=int, default=0, help="added to SLURM_NODEID (a step of the base "
+                                                                    "that leaves out its first node)")
     g.set_defaults(handler=_agent)
 
 

@@ -134,6 +134,15 @@ def prepare(spec: SlurmJobSpec, token: str) -> str:
     return spec.path(SPEC_FILE)
 
 
+def read_token(spec: SlurmJobSpec) -> str:
+    """The job token, from the job directory (what ``prepare`` wrote)."""
+    try:
+        with open(spec.path(TOKEN_FILE)) as f:
+            return auth.check_token(f.read().strip(), f"the job token in {spec.path(TOKEN_FILE)}")
+    except OSError as e:
+        raise UsageError(f"{spec.path(TOKEN_FILE)}: {e.strerror}") from None
+
+
 def agent_argv(spec: SlurmJobSpec, node_rank: int, endpoint: str, job_id: str) -> list[str]:
     """The ``hp run`` of node rank ``node_rank`` (its log directory is ``job_dir/node{rank}-{job id}``)."""
     elastic = ["--nnodes", f"{spec.min_nodes}:{spec.max_nodes}", "--scaling-policy", spec.scaling_policy] \
@@ -148,6 +157,8 @@ def _sbatch_header(spec: SlurmJobSpec, slot: int | None, partition: str | None, 
     name = spec.job_name(slot)
     lines = ["#!/bin/bash", f"#SBATCH --job-name={name}", f"#SBATCH --nodes={nodes}", "#SBATCH --ntasks-per-node=1",
              "#SBATCH --no-requeue", f"#SBATCH --output={spec.path(name)}-%j.out", "#SBATCH --open-mode=append"]
+    if slot is None:
+        lines.append("#SBATCH --no-kill")  # a failed node ends its agent, not the job (see base_steps)
     if partition:
         lines.append(f"#SBATCH --partition={partition}")
     return "\n".join(lines) + "\n"
@@ -159,19 +170,34 @@ def base_script(spec: SlurmJobSpec) -> str:
             + shlex.join([*HP, "slurm", "base", spec.path(SPEC_FILE)]) + "\n")
 
 
-def srun_agent(spec: SlurmJobSpec, endpoint: str, nodes: int, node_rank: int | None = None) -> list[str]:
+def srun_agent(spec: SlurmJobSpec, endpoint: str, nodes: int, node_rank: int | None = None, offset: int = 0,
+               where: tuple[str, ...] = ()) -> list[str]:
     """``srun`` of one agent per node (``hp slurm agent``); ``node_rank``: a unit's (else each task's
-    ``SLURM_NODEID``). Each task is given all of its node's CPUs (see :func:`unit_script` for a unit)."""
-    rank = [] if node_rank is None else ["--node-rank", str(node_rank)]
-    return ["srun", f"--nodes={nodes}", f"--ntasks={nodes}", "--ntasks-per-node=1", "--kill-on-bad-exit=0",
-            f"--cpus-per-task={os.environ.get('SLURM_CPUS_ON_NODE', '1')}",
+    ``SLURM_NODEID`` + ``offset``); ``where``: ``--nodelist``/``--exclude``. ``--no-kill``: a node that fails
+    ends its own task only. Each task is given all of its node's CPUs (see :func:`unit_script` for a unit)."""
+    rank = ["--node-rank", str(node_rank)] if node_rank is not None else ["--node-rank-offset", str(offset)] * bool(offset)
+    return ["srun", f"--nodes={nodes}", f"--ntasks={nodes}", "--ntasks-per-node=1", "--kill-on-bad-exit=0", "--no-kill",
+            f"--cpus-per-task={os.environ.get('SLURM_CPUS_ON_NODE', '1')}", *where,
             *HP, "slurm", "agent", spec.path(SPEC_FILE), "--endpoint", endpoint, *rank]
 
 
+def base_steps(spec: SlurmJobSpec, endpoint: str, hosts: list[str]) -> list[list[str]]:
+    """The base job's ``srun`` steps: node 0's agent (it hosts the controller: its exit is the job's) on the
+    first host, then the other base nodes' (node ranks 1..) on the rest. Apart, because ``srun`` exits
+    137 once one of its nodes failed, however its other tasks end: a base node lost to a hardware fault
+    (the job has ``--no-kill``) must not fail a job that trained on without it."""
+    steps = [srun_agent(spec, endpoint, 1, 0, where=(f"--nodelist={hosts[0]}",))]
+    if len(hosts) > 1:
+        steps.append(srun_agent(spec, endpoint, len(hosts) - 1, offset=1, where=(f"--exclude={hosts[0]}",)))
+    return steps
+
+
 def unit_script(spec: SlurmJobSpec, slot: int, endpoint: str) -> str:
-    """Scaling unit ``slot``: one node's agent joining the job whose controller is at ``endpoint``."""
+    """Scaling unit ``slot``: one node's agent joining the job whose controller is at ``endpoint``; a slot
+    of the base (below ``min_nodes``: the replacement of a base node that failed) in the base partition."""
     srun = [a for a in srun_agent(spec, endpoint, 1, slot) if not a.startswith("--cpus-per-task=")]
-    return (_sbatch_header(spec, slot, spec.unit_partition, 1)
+    partition = spec.base_partition if slot < spec.min_nodes else spec.unit_partition
+    return (_sbatch_header(spec, slot, partition, 1)
             + f'exec srun --cpus-per-task="$SLURM_CPUS_ON_NODE" {shlex.join(srun[1:])}\n')
 
 

@@ -14,8 +14,12 @@ state        the newest job of the slot                                   the ke
 ===========  ==========================================================  ======================
 
 :func:`run_base` is the base job's batch step (``hp slurm base SPEC``): it starts the agents of the base
-nodes with ``srun``, keeps the units while they run (one ``squeue --name`` a second for the whole job,
-not per rank), and cancels every unit when they are done, however they end.
+nodes with ``srun`` (:func:`hp.core.slurm_job.base_steps`), keeps the units while they run (one
+``squeue --name`` a second for the whole job, not per rank), and cancels every unit when they are done,
+however they end. The base job runs with ``--no-kill``: when one of its nodes other than node 0 fails
+(Slurm takes it out of the job and kills its agent: its ranks are lost, the job goes on without them), the
+node's rank becomes one more slot, whose job (one node, in the base partition) replaces it: the job grows
+back onto a healthy node as soon as one is free. Node 0 hosts the controller; its loss ends the job.
 """
 
 from __future__ import annotations
@@ -28,8 +32,11 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from enum import Enum
 
+from hp.core.auth import OPERATOR
+from hp.core.errors import UsageError
+from hp.core.protocol import Verb
 from hp.core.slurm import SlurmCli, SlurmError, SlurmJob, SlurmScheduler
-from hp.core.slurm_job import SlurmJobSpec, head_endpoint, srun_agent, unit_script
+from hp.core.slurm_job import SlurmJobSpec, base_steps, head_endpoint, unit_script
 
 POLL_S = 1.0
 CAPACITY_EVERY_S = 5.0  # the base logs the job's capacity (idle nodes, QOS quota, preemption) as it changes
@@ -121,39 +128,85 @@ class _CapacityLog:
 
 
 def run_base(spec: SlurmJobSpec, cli: SlurmCli, job_id: str, nodelist: str, poll_s: float = POLL_S) -> int:
-    """The base job's batch step (see the module docstring); the agents' exit code."""
+    """The base job's batch step (see the module docstring); node 0's agent's exit code."""
     signal.signal(signal.SIGTERM, _terminated)
     endpoint = head_endpoint(cli, nodelist, spec.port)
+    hosts = cli.hostnames(nodelist)  # node rank k runs on hosts[k] (srun's SLURM_NODEID order)
     keeper = UnitKeeper({slot: spec.job_name(slot) for slot in spec.unit_slots})
     _say(f"job {job_id}: controller at {endpoint}; {spec.min_nodes} base node(s), unit slots "
          f"{list(spec.unit_slots)}")
-    agents = subprocess.Popen(srun_agent(spec, endpoint, spec.min_nodes))
-    names = list(keeper.names.values())
-    capacity = _CapacityLog(SlurmScheduler(job_names=tuple(names)), spec.unit_partition or spec.base_partition)
+    head, *rest = [subprocess.Popen(argv) for argv in base_steps(spec, endpoint, hosts)]
+    failures = _FailureReport(spec, endpoint)
+    base_name = spec.job_name()
+    capacity = _CapacityLog(SlurmScheduler(job_names=(base_name, *keeper.names.values())),
+                            spec.unit_partition or spec.base_partition)
     try:
-        while agents.poll() is None:
+        while head.poll() is None:
             capacity.poll()
-            if names:
-                try:
-                    for slot in keeper.due(cli.jobs(names)):
-                        unit = cli.sbatch(unit_script(spec, slot, endpoint), *spec.sbatch_options)
-                        keeper.submitted(slot, unit)
-                        _say(f"unit {slot}: submitted job {unit}")
-                except SlurmError as e:  # slurmctld busy or restarting: the training goes on; ask again
-                    _say(f"units: {e}")
             try:
-                agents.wait(timeout=poll_s)
+                jobs = cli.jobs([base_name, *keeper.names.values()])
+                for slot in _lost_base_slots(jobs, job_id, hosts, cli, keeper):
+                    if failures.report(slot, f"Slurm took {hosts[slot]} out of job {job_id}"):
+                        keeper.names[slot] = spec.job_name(slot)
+                        _say(f"base node {slot} ({hosts[slot]}) failed: the job goes on without it, and a "
+                             f"replacement job takes its slot")
+                for slot in keeper.due(jobs):
+                    unit = cli.sbatch(unit_script(spec, slot, endpoint), *spec.sbatch_options)
+                    keeper.submitted(slot, unit)
+                    _say(f"unit {slot}: submitted job {unit}")
+            except SlurmError as e:  # slurmctld busy or restarting: the training goes on; ask again
+                _say(f"units: {e}")
+            try:
+                head.wait(timeout=poll_s)
             except subprocess.TimeoutExpired:
                 pass
     finally:
-        if names:
-            try:
-                for unit in UnitKeeper.active(cli.jobs(names)):
-                    cli.scancel(unit)
-            except SlurmError as e:
-                _say(f"could not cancel the units: {e}")
-        if agents.poll() is None:
-            agents.terminate()
-            agents.wait()
-    _say(f"agents exited {agents.returncode}")
-    return agents.returncode
+        try:
+            for unit in UnitKeeper.active(cli.jobs(list(keeper.names.values()))):
+                cli.scancel(unit)
+        except SlurmError as e:
+            _say(f"could not cancel the units: {e}")
+        for step in (head, *rest):
+            if step.poll() is None:
+                step.terminate()
+            step.wait()
+    _say(f"agents exited: node 0 {head.returncode}" + (f", the other base nodes {rest[0].returncode}" if rest else ""))
+    return head.returncode
+
+
+class _FailureReport:
+    """Tells the controller that a node failed (``node_failed``, as the operator: the job token), so its
+    ranks are lost now rather than a heartbeat timeout later, and before a replacement may join as that
+    node. Fenced by the generation read just before (``state``)."""
+
+    def __init__(self, spec: SlurmJobSpec, endpoint: str) -> None:
+        self.spec, self.endpoint, self._client = spec, endpoint, None
+
+    def report(self, node: int, reason: str) -> bool:
+        """Whether the controller has the node lost (now, or already); False: ask again next time."""
+        from hp.core.control_plane import ControlClient, ControlPlaneError
+        from hp.core.slurm_job import read_token
+
+        try:
+            if self._client is None:
+                self._client = ControlClient(self.endpoint, read_token(self.spec), node=OPERATOR)
+            state = self._client.call(Verb.STATE, {})
+            known = state.get("nodes", {}).get(str(node))
+            if known is None or known["lost"] or known["done"]:
+                return True
+            self._client.call(Verb.NODE_FAILED, {"node": node, "generation": state["generation"], "reason": reason})
+            return True
+        except (ControlPlaneError, OSError, UsageError) as e:
+            _say(f"could not report node {node}'s failure to the controller: {e}")
+            return False
+
+
+def _lost_base_slots(jobs: list[SlurmJob], job_id: str, hosts: list[str], cli: SlurmCli,
+                     keeper: UnitKeeper) -> list[int]:
+    """Base node ranks (never 0: the controller's) whose host left the base job (it failed; the job has
+    ``--no-kill``) and that have no replacement slot yet."""
+    base = next((j for j in jobs if j.job_id == job_id), None)
+    if base is None or base.node_count >= len(hosts):
+        return []
+    held = set(cli.hostnames(base.nodes))
+    return [rank for rank, host in enumerate(hosts) if rank > 0 and host not in held and rank not in keeper.names]
