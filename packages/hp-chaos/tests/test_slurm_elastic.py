@@ -64,7 +64,7 @@ def test_a_failed_base_node_is_replaced_and_the_job_never_stops(tmp_path):
     brief = {k: r.get(k) for k in ("error", "world_sizes", "marks", "units", "base_state", "grow_s", "events",
                                    "state_differences", "error_tail")}
     assert r["completed"], json.dumps(brief, indent=1)
-    assert r["world_sizes"] == [2, 3, 4, 3, 4], brief
+    assert _turns(r["world_sizes"]) == [2, 4, 3, 4], brief  # the units may join together (2 -> 4)
     assert r["lost_steps"] == 0 and r["bitwise_equal"], brief
     shrink = next(e for e in r["events"] if e["to"] < e["from"])
     # told by the scheduler, not found out a heartbeat timeout (30 s) later

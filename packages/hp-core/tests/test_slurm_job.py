@@ -16,7 +16,7 @@ from hp.core.errors import UsageError
 from hp.core.slurm import SlurmJob
 from hp.core.slurm_job import (SPEC_FILE, TOKEN_FILE, SlurmJobSpec, agent_argv, base_script, base_steps, prepare,
                                unit_script)
-from hp.core.slurm_units import Slot, UnitKeeper
+from hp.core.slurm_units import FailedUnits, Slot, UnitKeeper
 
 TOKEN = "ab" * 16
 
@@ -123,6 +123,23 @@ def test_keeper_submits_for_empty_slots_waits_for_queued_ones_and_paces_failures
     jobs.append(_job("12", "hp-r-u3", "PENDING"))
     assert keeper.states(jobs)[3] == Slot.QUEUED  # the newest job of a slot is the one read
     assert UnitKeeper.active(jobs) == ["10", "12"]
+
+
+def test_a_failed_unit_is_told_once_after_the_grace_period_and_holds_its_slot_until_then():
+    now = [0.0]
+    failed = FailedUnits(grace_s=5.0, clock=lambda: now[0])
+    names = {2: "hp-r-u2", 3: "hp-r-u3"}
+    jobs = [_job("10", "hp-r-u2", "NODE_FAIL"), _job("11", "hp-r-u3", "COMPLETED"), _job("9", "other", "NODE_FAIL")]
+    failed.observe(jobs, names)
+    assert failed.due() == [] and failed.holds(2) and not failed.holds(3)  # its ranks may still be leaving
+    now[0] = 4.0
+    failed.observe(jobs, names)  # seen again: still from t=0
+    assert failed.due() == []
+    now[0] = 5.0
+    assert failed.due() == [(2, "10")] and not failed.holds(2)
+    failed.observe(jobs, names)
+    now[0] = 60.0
+    assert failed.due() == []  # once
 
 
 def test_keeper_stops_submitting_after_its_limit():

@@ -20,6 +20,8 @@ however they end. The base job runs with ``--no-kill``: when one of its nodes ot
 (Slurm takes it out of the job and kills its agent: its ranks are lost, the job goes on without them), the
 node's rank becomes one more slot, whose job (one node, in the base partition) replaces it: the job grows
 back onto a healthy node as soon as one is free. Node 0 hosts the controller; its loss ends the job.
+A node failure, of a base node or of a unit's (its job ends ``NODE_FAIL``), is told to the controller
+at once (``node_failed``), so the job does not wait a heartbeat timeout to go on without it.
 """
 
 from __future__ import annotations
@@ -106,6 +108,40 @@ def _terminated(signum: int, _frame: object) -> None:
     raise SystemExit(128 + signum)  # scancel of the base: the finally below cancels the units
 
 
+@dataclass
+class FailedUnits:
+    """Unit jobs Slurm ended ``NODE_FAIL`` (their node failed, or was set DOWN). Each is told to the
+    controller once, ``grace_s`` after it was first seen: a node set DOWN gets Slurm's SIGTERM first and its
+    ranks leave at a step boundary within the grace period (the report then changes nothing), one that
+    died has nothing to wait for, and its ranks are lost now rather than at the heartbeat timeout. Until
+    it is told, the slot is held: no new unit for it, which could join as that node before the report
+    (that would name the new node)."""
+
+    grace_s: float
+    clock: Callable[[], float] = time.monotonic
+    _seen: dict[str, tuple[int, float]] = field(default_factory=dict)  # job id -> (slot, first seen)
+    _told: set[str] = field(default_factory=set)
+
+    def observe(self, jobs: Iterable[SlurmJob], names: dict[int, str]) -> None:
+        slot_of = {name: slot for slot, name in names.items()}
+        for job in jobs:
+            if job.state == "NODE_FAIL" and job.name in slot_of and job.job_id not in self._told | set(self._seen):
+                self._seen[job.job_id] = (slot_of[job.name], self.clock())
+
+    def due(self) -> list[tuple[int, str]]:
+        """(slot, job id) to tell the controller now; each once."""
+        now, out = self.clock(), []
+        for job_id, (slot, seen) in list(self._seen.items()):
+            if now - seen >= self.grace_s:
+                del self._seen[job_id]
+                self._told.add(job_id)
+                out.append((slot, job_id))
+        return out
+
+    def holds(self, slot: int) -> bool:
+        return any(s == slot for s, _ in self._seen.values())
+
+
 class _CapacityLog:
     """The job's capacity (its base and units: :meth:`SlurmScheduler.capacity`), logged when it changes."""
 
@@ -136,7 +172,7 @@ def run_base(spec: SlurmJobSpec, cli: SlurmCli, job_id: str, nodelist: str, poll
     _say(f"job {job_id}: controller at {endpoint}; {spec.min_nodes} base node(s), unit slots "
          f"{list(spec.unit_slots)}")
     head, *rest = [subprocess.Popen(argv) for argv in base_steps(spec, endpoint, hosts)]
-    failures = _FailureReport(spec, endpoint)
+    failures, failed = _FailureReport(spec, endpoint), FailedUnits(grace_s=spec.grace_period_s + 2 * poll_s)
     base_name = spec.job_name()
     capacity = _CapacityLog(SlurmScheduler(job_names=(base_name, *keeper.names.values())),
                             spec.unit_partition or spec.base_partition)
@@ -150,7 +186,10 @@ def run_base(spec: SlurmJobSpec, cli: SlurmCli, job_id: str, nodelist: str, poll
                         keeper.names[slot] = spec.job_name(slot)
                         _say(f"base node {slot} ({hosts[slot]}) failed: the job goes on without it, and a "
                              f"replacement job takes its slot")
-                for slot in keeper.due(jobs):
+                failed.observe(jobs, keeper.names)
+                for slot, unit in failed.due():
+                    failures.report(slot, f"Slurm ended unit job {unit} with NODE_FAIL")
+                for slot in (s for s in keeper.due(jobs) if not failed.holds(s)):
                     unit = cli.sbatch(unit_script(spec, slot, endpoint), *spec.sbatch_options)
                     keeper.submitted(slot, unit)
                     _say(f"unit {slot}: submitted job {unit}")
