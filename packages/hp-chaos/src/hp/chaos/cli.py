@@ -188,6 +188,19 @@ def _add_exact(bench: argparse._SubParsersAction) -> None:
     p.set_defaults(handler=bench_exact.run_cli)
 
 
+def _add_step(bench: argparse._SubParsersAction) -> None:
+    """``hp bench step``: hp-checkpointless's bench (its arguments are its own)."""
+    p = bench.add_parser("step", help="steady-state step time of hp's step transaction against plain DDP, "
+                                      "same model and ranks, one rank per core")
+    try:
+        from hp.checkpointless import bench_step  # no torch at import: the CLI loads every plugin
+    except ImportError as e:
+        p.set_defaults(handler=lambda args, e=e: _missing("hp bench step", "hp-checkpointless", e))
+        return
+    bench_step.add_arguments(p)
+    p.set_defaults(handler=bench_step.run_cli)
+
+
 def _all(args: argparse.Namespace) -> int:
     from hp.chaos import bench_all
 
@@ -317,6 +330,7 @@ def hp_cli_commands(subparsers: argparse._SubParsersAction) -> None:
     _add_goodput(bench)
     _add_elastic(bench)
     _add_exact(bench)
+    _add_step(bench)
     _add_all(bench)
     _add_chaos(subparsers)
     importlib.import_module("hp.chaos.goodput_cli").add_goodput(subparsers)  # hp goodput simulate
