@@ -21,6 +21,7 @@ _EXPORTS = {
     "RecoveryMachine": "hp.checkpointless.recovery", "StepSampler": "hp.checkpointless.sampler",
     "StepLoader": "hp.checkpointless.sampler", "TrainingState": "hp.checkpointless.registry",
     "BatchGeometry": "hp.checkpointless.sampler", "ConstantBatch": "hp.checkpointless.sampler",
+    "MeanReduction": "hp.checkpointless.reduction", "OverlappedMeanReduction": "hp.checkpointless.overlap",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -1,22 +1,25 @@
 """``hp bench step``: what hp's step transaction costs a steady-state training step, against plain DDP.
 
 The same training (:func:`hp.checkpointless.demo.model.build_model`, dropout 0.1, AdamW, the
-:class:`hp.checkpointless.data.Batches` of one token cache) runs twice per repeat, each time as a job of
-``nproc`` ranks started by ``hp run`` (the same launcher for both), every rank pinned to its own core
+:class:`hp.checkpointless.data.Batches` of one token cache) runs once per mode and repeat, each time as a
+job of ``nproc`` ranks started by ``hp run`` (the same launcher for all), every rank pinned to its own core
 (``HP_PIN_CORES=1``, ``OMP_NUM_THREADS=1``):
 
 * ``ddp``: ``DistributedDataParallel`` (its bucketed all-reduce overlaps the backward), ``zero_grad``,
   ``backward``, ``optimizer.step``;
 * ``hp``: ``@recoverable`` with ``ctx.register(model, optimizer)`` and ``with step: ... ctx.commit(loss)``:
-  hp's flat gradient all-reduce after the backward, the commit vote, the optimizer step, the commit event.
+  hp's flat gradient all-reduce after the backward, the commit vote, the optimizer step, the commit event;
+* ``hp_overlap``: the same with ``reduction=OverlappedMeanReduction()`` (:mod:`hp.checkpointless.overlap`):
+  the all-reduce starts during backward, in buckets of 25 MB as DDP's, the vote after the last one.
 
-The modes alternate (hp, ddp, then ddp, hp, ...) so that neither always runs first. Each rank times each
-step after ``warmup`` (wall clock, from the step's start to the end of its optimizer step) and, inside it,
-``compute`` (forward and backward: DDP's overlapped all-reduce is in there) and the rest (``tail``: for hp
-the reduction, vote and update in ``ctx.commit``; for DDP the optimizer step and the all-reduce left to wait
-for). A step's figure is its slowest rank's. ``overhead`` = median hp step / median DDP step - 1, and
-per repeat (``overhead_by_repeat``), so its spread shows. ``fsdp_overhead`` is None: hp does not carry
-FSDP2 state yet (issue #16). Nothing is pickled: settings go to the ranks as JSON, timings come back as JSON.
+The modes alternate (hp, hp_overlap, ddp, then ddp, hp_overlap, hp, ...) so that none always runs first.
+Each rank times each step after ``warmup`` (wall clock, from the step's start to the end of its optimizer
+step) and, inside it, ``compute`` (forward and backward: an overlapped all-reduce is in there) and the rest
+(``tail``: for hp the reduction, or what is left of it, vote and update in ``ctx.commit``; for DDP the
+optimizer step and the all-reduce left to wait for). A step's figure is its slowest rank's. ``overhead``
+= median hp step / median DDP step - 1, and per repeat (``overhead_by_repeat``), so its spread shows;
+``overlap_overhead`` the same for ``hp_overlap``. ``fsdp_overhead`` is None: hp does not carry FSDP2 state
+yet (issue #16). Nothing is pickled: settings go to the ranks as JSON, timings come back as JSON.
 """
 
 from __future__ import annotations
@@ -36,8 +39,9 @@ from typing import Any
 from hp.core.benchmeta import PIN_ENV, BenchRun, spread
 from hp.core.errors import UsageError
 
-MODES = ("hp", "ddp")
-DEFINITION_VERSION = 1  # per-step wall time, slowest rank, hp and DDP alternating under one launcher
+MODES = ("hp", "hp_overlap", "ddp")
+# 1: hp and DDP; 2: hp_overlap too (per-step wall time, slowest rank, the modes alternating under one launcher)
+DEFINITION_VERSION = 2
 
 
 @dataclass
@@ -88,9 +92,10 @@ def run(cfg: StepBenchConfig, log=lambda m: print(m, file=sys.stderr, flush=True
         for what in ("step", "compute", "tail"):
             result[f"{mode}_{what}"] = spread(v for job in per_mode[mode] for v in job[what])
         result[f"{mode}_step_s"] = result[f"{mode}_step"]["median"]
-    result["overhead"] = round(result["hp_step_s"] / result["ddp_step_s"] - 1, 4)
-    result["overhead_by_repeat"] = [round(statistics.median(h["step"]) / statistics.median(d["step"]) - 1, 4)
-                                    for h, d in zip(per_mode["hp"], per_mode["ddp"])]
+    for mode, key in (("hp", "overhead"), ("hp_overlap", "overlap_overhead")):
+        result[key] = round(result[f"{mode}_step_s"] / result["ddp_step_s"] - 1, 4)
+        result[f"{key}_by_repeat"] = [round(statistics.median(h["step"]) / statistics.median(d["step"]) - 1, 4)
+                                      for h, d in zip(per_mode[mode], per_mode["ddp"])]
     result["fsdp_overhead"] = None
     result["fsdp_note"] = "hp does not carry FSDP2 state yet (issue #16): no hp+FSDP2 step to time"
     return bench.stamp(result)
@@ -124,7 +129,10 @@ def _worker(mode: str, out: Path, cfg: StepBenchConfig) -> None:
     import torch
 
     torch.set_num_threads(1)
-    (_train_hp if mode == "hp" else _train_ddp)(out, cfg)
+    if mode == "ddp":
+        _train_ddp(out, cfg)
+    else:
+        _train_hp(out, cfg, overlap=mode == "hp_overlap")
 
 
 def _setup(cfg: StepBenchConfig):  # noqa: ANN202
@@ -173,17 +181,18 @@ def _train_ddp(out: Path, cfg: StepBenchConfig) -> None:
     dist.destroy_process_group()
 
 
-def _train_hp(out: Path, cfg: StepBenchConfig) -> None:
+def _train_hp(out: Path, cfg: StepBenchConfig, overlap: bool) -> None:
     import torch
     import torch.nn.functional as F
 
     from hp.checkpointless import recoverable
+    from hp.checkpointless.overlap import OverlappedMeanReduction
 
     @recoverable
     def train(ctx) -> None:  # noqa: ANN001
         batches, model = _setup(cfg)
         optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4)
-        ctx.register(model, optimizer)
+        ctx.register(model, optimizer, reduction=OverlappedMeanReduction() if overlap else None)
         times = []
         for step in ctx.steps(cfg.warmup + cfg.steps):
             x, y = batches.get(step, ctx.rank, ctx.world_size)
@@ -222,11 +231,12 @@ def format_table(r: dict[str, Any]) -> str:
     lines = [f"hp bench step: {r['model_size']} ({r['params'] / 1e6:.1f} M params), {r['world']} ranks "
              f"{'pinned one per core' if r['pinned'] else 'NOT pinned (more ranks than cores)'}, "
              f"{r['steps']} steps x {r['repeats']} jobs per mode",
-             f"{'':8}{'step':>28}{'forward+backward':>28}{'after backward':>28}"]
+             f"{'':10}{'step':>26}{'forward+backward':>28}{'after backward':>28}"]
     for mode in MODES:
-        lines.append(f"{mode:8}{ms(r[f'{mode}_step']):>28}{ms(r[f'{mode}_compute']):>28}{ms(r[f'{mode}_tail']):>28}")
-    lines.append(f"overhead (hp / ddp - 1): {r['overhead']:+.1%} (per job pair: "
-                 f"{', '.join(f'{o:+.1%}' for o in r['overhead_by_repeat'])})")
+        lines.append(f"{mode:10}{ms(r[f'{mode}_step']):>26}{ms(r[f'{mode}_compute']):>28}{ms(r[f'{mode}_tail']):>28}")
+    for mode, key in (("hp", "overhead"), ("hp_overlap", "overlap_overhead")):
+        lines.append(f"overhead ({mode} / ddp - 1): {r[key]:+.1%} (per job pair: "
+                     f"{', '.join(f'{o:+.1%}' for o in r[f'{key}_by_repeat'])})")
     return "\n".join(lines)
 
 

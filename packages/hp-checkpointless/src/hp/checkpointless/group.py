@@ -127,15 +127,14 @@ class GroupLink:
             self._hosted[address] = client
         return self._hosted[address]
 
-    def collective(self, fn: Callable, *args: Any, **kwargs: Any) -> None:
+    def collective(self, fn: Callable, *args: Any, **kwargs: Any) -> Any:
         """Run ``fn(*args, **kwargs)`` (a collective, or a transfer made of several) on this generation's
-        group; any failure comes out as :class:`CollectiveError`."""
+        group; its result (an async collective's work); any failure comes out as :class:`CollectiveError`."""
         why = self._machine.superseded()
         if why is not None:
             raise CollectiveError(why)
         try:
-            fn(*args, **kwargs)
-            return
+            return fn(*args, **kwargs)
         except (RuntimeError, ValueError) as e:  # gloo errors, state transfer errors, a destroyed group
             error = f"{getattr(fn, '__name__', 'transfer')} failed in generation {self._machine.generation}: {e}"
         raise CollectiveError(error)  # outside the except block: see the module docstring

@@ -6,20 +6,24 @@ step. :class:`MeanReduction` (the default) is one float all-reduce divided by th
 contributions: the world size for a plain step, the step's micro-batch count ``M`` for a step split in
 micro-batches (:meth:`hp.checkpointless.runtime.Step.micro_batches`), whose gradients backward has
 already summed on each rank. ``hp.elastic.ExactReduction`` makes the result independent of the world
-size (exact mode).
+size (exact mode). :class:`hp.checkpointless.overlap.OverlappedMeanReduction` starts the all-reduce during
+backward; a reduction that can do that also has ``plan(ranges, itemsize)`` (the parameters' places in the
+flat buffer, once) and ``gradient_ready(grads, index, collective)`` (parameter ``index``'s gradient is final
+for this step, in a step not split in micro-batches).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 import torch.distributed as dist
 
-# collective(fn, *args, **kwargs): run one torch.distributed call on the current generation's group;
-# a transport failure comes out as hp.checkpointless.recovery.CollectiveError
-Collective = Callable[..., None]
+# collective(fn, *args, **kwargs): run one torch.distributed call on the current generation's group and
+# return its result (an async call's work); a transport failure comes out as
+# hp.checkpointless.recovery.CollectiveError
+Collective = Callable[..., Any]
 
 
 @runtime_checkable

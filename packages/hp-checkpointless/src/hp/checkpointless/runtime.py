@@ -198,8 +198,8 @@ class Context:
         self._on_scale = on_scale
         if st.params:  # the "backward" fault phase fires while the first parameter's gradient is accumulated
             st.params[0].register_post_accumulate_grad_hook(self._on_backward)
-        for p in st.params:
-            p.register_post_accumulate_grad_hook(self._on_gradient)
+        for i, p in enumerate(st.params):
+            p.register_post_accumulate_grad_hook(functools.partial(self._on_gradient, index=i))
 
     # ---- the step loop ------------------------------------------------------------------------
     def steps(self, total: int) -> Iterator[Step]:
@@ -278,9 +278,10 @@ class Context:
         if skip:
             self.events.record(Event.STEP_SKIPPED, step=step, rank=self.rank, scale=st.scaler.get_scale())
         # loss: the global mean; local: this rank's own losses by vote slot (its rank, or its micro-batches)
+        overlapped = getattr(self._tx.reduction, "overlapped", None)  # buckets started during backward
         self.events.record(Event.COMMIT, step=step, rank=self.rank, generation=self.generation, loss=mean.hex(),
                            local={str(k): float(v).hex() for k, v in slots.items()}, world=self.world_size,
-                           samples=st.samples)
+                           samples=st.samples, **({} if overlapped is None else {"overlapped": overlapped}))
         if not self._size_published:  # after the first commit, when lazily created optimizer state exists
             self._size_published = True
             self._formation.publish_state_size(st)
@@ -375,13 +376,16 @@ class Context:
         if self._step is not None and self._machine.state is RankState.COMPUTING:
             self._phase(self._step, "backward")
 
-    def _on_gradient(self, _param: torch.Tensor) -> None:
+    def _on_gradient(self, _param: torch.Tensor, index: int) -> None:
         """Each accumulated gradient is a point where a step whose group already died stops.
         ``backward()`` is one call into C++ that takes most of a step, and the watch thread's interrupt
         is raised only between Python bytecodes: without these points a survivor that is in backward
-        when a peer dies finishes it first (measured: 1.75 s of a 25 M-param model's recovery)."""
+        when a peer dies finishes it first (measured: 1.75 s of a 25 M-param model's recovery). It is
+        also where an overlapping reduction starts a bucket (:meth:`StepTransaction.gradient_ready`)."""
         if self._machine.take_interrupt():
             raise CollectiveError(f"{self._machine.superseded()} during backward")
+        if self._step is not None and self._machine.state is RankState.COMPUTING:
+            self._tx.gradient_ready(index)
 
     def _on_generation(self, plan: Plan) -> None:
         """Watch thread: a newer generation means this rank's group is dead; stop a step that computes

@@ -43,6 +43,7 @@ class StepTransaction:
         self.grads: torch.Tensor | None = None  # one flat buffer, allocated once (kept: see group.py)
         self.grads_step = -1  # the step whose averaged gradients `grads` holds
         self._views: list[torch.Tensor | None] = []  # per parameter: its slice of `grads` (None: other dtype)
+        self._ranges: list[tuple[int, int]] = []  # per parameter: (offset, numel) in `grads`
         self._vote = torch.zeros(VOTE_HEAD + 1, dtype=torch.float64)  # reallocated when the loss slots change
         self._bcast: state.StateBuffer | None = None
         self._found_inf = False
@@ -72,6 +73,17 @@ class StepTransaction:
         """Micro-batch ``m``'s backward is done on this rank (the reduction may set its gradients aside)."""
         self._gather(fold=True)
         self.reduction.micro_batch_done(self.grads, m)
+
+    def gradient_ready(self, index: int) -> None:
+        """Backward accumulated parameter ``index``'s gradient (its post-accumulate-grad hook): a
+        reduction that overlaps backward (:mod:`hp.checkpointless.overlap`) may start on it now, when it
+        already lies in the flat buffer and the step is not split in micro-batches (reduced at its end)."""
+        ready = getattr(self.reduction, "gradient_ready", None)
+        if ready is None or self.micro_batches is not None or self.grads is None:
+            return
+        view, grad = self._views[index], self._st.params[index].grad
+        if view is not None and grad is not None and grad.data_ptr() == view.data_ptr():
+            ready(self.grads, index, self._collective)
 
     def reduce(self, step: int, world_size: int) -> None:
         """Average gradients (and with a scaler unscale them), broadcast rank 0's buffers."""
@@ -149,7 +161,10 @@ class StepTransaction:
             for p in params:
                 view = self.grads[offset:offset + p.numel()].view_as(p)
                 self._views.append(view if p.dtype == self.grads.dtype and p.is_contiguous() else None)
+                self._ranges.append((offset, p.numel()))
                 offset += p.numel()
+            if hasattr(self.reduction, "plan"):
+                self.reduction.plan(self._ranges, self.grads.element_size())
         offset = 0
         for p, view in zip(params, self._views):
             n = p.numel()

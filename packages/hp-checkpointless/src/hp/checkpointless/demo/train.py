@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from hp.checkpointless import recoverable
+from hp.checkpointless.overlap import OverlappedMeanReduction
 from hp.checkpointless.data import Batches, TokenCache, synthetic_corpus, tokenize
 from hp.checkpointless.demo.model import MODEL_SIZES, build_model
 
@@ -28,6 +29,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--corpus-mb", type=int, default=16)
     p.add_argument("--seed", type=int, default=0)
     add_checkpoint_args(p)
+    p.add_argument("--overlap", action="store_true",
+                   help="start the gradient all-reduce during backward (OverlappedMeanReduction)")
+    p.add_argument("--bucket-mb", type=float, default=25.0, help="with --overlap: the buckets' size")
     p.add_argument("--zero", action="store_true",
                    help="shard the optimizer state (torch ZeroRedundancyOptimizer) instead of replicating it")
     p.add_argument("--ulp-after-recovery", type=int, default=None, metavar="RANK",
@@ -74,7 +78,8 @@ def main(ctx) -> None:
                      make_scheduler, checkpoint=checkpoint)
     else:
         optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
-        ctx.register(model, optimizer, make_scheduler(optimizer), checkpoint=checkpoint)
+        ctx.register(model, optimizer, make_scheduler(optimizer), checkpoint=checkpoint,
+                     reduction=OverlappedMeanReduction(args.bucket_mb) if args.overlap else None)
 
     replacement = os.environ.get("HP_ROLE") == "spare" or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0"
     for step in ctx.steps(args.steps):
