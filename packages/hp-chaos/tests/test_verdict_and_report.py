@@ -171,3 +171,17 @@ def test_an_absorbed_fault_lasts_until_its_own_step_commits():
                                  "expect": {"recoveries": 0}}), reference(), run)
     assert r["passed"] and r["recovery_s"] == [pytest.approx(4.0 - 2.95)]
     assert r["faults"][0]["phases"] == {"replay": pytest.approx(1.05)}
+
+
+def test_an_absorbed_fault_followed_by_another_fault_before_any_commit_still_ends_at_its_step_s_commit():
+    """Seen in CI under load: rank 2 hung (resumed: nothing failed) at step 4, then a late spare's own fault
+    fired before any commit; the first fault's cost still ends at step 4's commit, not "no commit after it"."""
+    ev = [commit(float(s), s, 5.0 - s / 10) for s in range(8)]
+    ev += [{"t": 3.10, "event": "fault_injected", "kind": "hang", "phase": "forward", "step": 4, "rank": 2, "pid": 9},
+           {"t": 3.15, "event": "fault_injected", "kind": "hang", "phase": None, "step": 1, "rank": None, "pid": 8}]
+    run = JobRun(RunResult(0, 9.0, sorted(ev, key=lambda e: e["t"]), ""), False, 0, [])
+    r = evaluate(parse_scenario({**SCENARIO, "faults": [{"at_step": 4, "kind": "hang", "target": "rank:2",
+                                                         "duration_s": 1.0}],
+                                 "expect": {"recoveries": 0, "max_recovery_s": 5.0}}), reference(), run)
+    assert r["passed"], r["failures"]
+    assert r["recovery_s"] == [pytest.approx(4.0 - 3.10)] and r["faults"][0]["phases"] == {"replay": pytest.approx(0.9)}

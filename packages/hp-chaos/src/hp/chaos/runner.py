@@ -219,10 +219,11 @@ def evaluate(scenario: Scenario, reference: RunResult, run: JobRun, persisted: d
         phases, recovery = dict(entry["phases"]), None
         if j is not None:
             recovery = _next_commit(events, injected[j]["t"], spec.at_step)
-            if list(phases) == ["replay"]:
+            if list(phases) in ([], ["replay"]):
                 # nothing failed: rank 0 may still have been committing the previous step when a
-                # faster rank entered the fault's step; the fault's cost ends at its step's commit
-                phases["replay"] = recovery
+                # faster rank entered the fault's step, or another fault fired before any commit (a
+                # spare's, late when the spare started late); the fault's cost ends at its step's commit
+                phases = {"replay": recovery}
         faults.append({"fault": spec.label(), "fired": j is not None, "step": spec.at_step,
                        "t": injected[j]["t"] if j is not None else None,
                        "recovery_s": recovery if list(phases) == ["replay"] else entry["recovery_s"],
