@@ -21,7 +21,7 @@ def _demo(args: argparse.Namespace) -> int:
     cfg = DemoConfig(fault=args.fault, phase=args.phase, steps=args.steps, fault_step=args.fault_step,
                      fault_rank=args.fault_rank, nproc=args.nproc, spares=args.spares,
                      model_size=args.model_size, hang_timeout_s=args.hang_timeout, log_dir=args.log_dir,
-                     train_args=["--zero"] if args.zero else [])
+                     train_args=_train_args(args))
     result = run_demo(cfg)
     print(format_table(result))
     if result.get("error_tail"):
@@ -30,6 +30,17 @@ def _demo(args: argparse.Namespace) -> int:
         print(json.dumps(result))
     # the demo's claim is a recovery that loses nothing: a job that diverged fails it like one that crashed
     return 0 if result["completed"] and result["bitwise_equal"] and result["state_equal"] else 1
+
+
+def _train_args(args: argparse.Namespace) -> list[str]:
+    """The demo job's flags for the kind of state it keeps."""
+    if sum(bool(x) for x in (args.zero, args.fsdp, args.hsdp)) > 1:
+        raise UsageError("--zero, --fsdp and --hsdp are alternatives: pick one")
+    if args.hsdp and (args.hsdp < 2 or args.nproc % args.hsdp):
+        raise UsageError(f"--hsdp R needs R >= 2 replica groups dividing --nproc ({args.nproc})")
+    if args.hsdp:
+        return ["--hsdp", str(args.hsdp)]
+    return ["--zero"] if args.zero else ["--fsdp"] if args.fsdp else []
 
 
 @hookimpl
@@ -47,6 +58,10 @@ def hp_cli_commands(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--hang-timeout", type=float, default=2.0, help="seconds of silence before a hang is killed")
     p.add_argument("--zero", action="store_true",
                    help="shard the optimizer state (ZeroRedundancyOptimizer; shards replicated to a buddy rank)")
+    p.add_argument("--fsdp", action="store_true",
+                   help="shard the model with FSDP2 over every rank (shards and their gradients copied to a buddy rank)")
+    p.add_argument("--hsdp", type=int, default=0, metavar="R",
+                   help="HSDP: R replica groups, FSDP2 within each (a lost shard comes from its replica group)")
     p.add_argument("--log-dir", default=None)
     p.add_argument("--json", action="store_true", help="last stdout line: one JSON object")
     p.set_defaults(handler=_demo)

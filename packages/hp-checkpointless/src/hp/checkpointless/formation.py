@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
-from hp.checkpointless import hydration, ladder, membership, sharded, state
+from hp.checkpointless import hydration, ladder, membership, replicas, sharded, state
 from hp.checkpointless.events import EventLog
 from hp.checkpointless.group import GroupLink
 from hp.checkpointless.recovery import CollectiveError, JobEnded, RecoveryMachine
@@ -44,23 +44,56 @@ class Formation:
         self._events, self._fire = events, fire
         self._agree: torch.Tensor | None = None  # kept referenced: see group.py
         self._agree_ring: torch.Tensor | None = None  # the held ring, agreed (kept referenced too)
+        self._assigned = 0  # a hot spare: the generation that gave it its rank
+        self._entered: Plan | None = None  # formed by enter_first, not settled yet
+        self._retry = 0  # the generation to form first after enter_first failed
 
     def join(self, st: TrainingState, tx: StepTransaction, start_generation: int) -> None:
-        """First formation; a hot spare waits here for a rank."""
-        if self.spare_id is None:
-            self.reform(st, tx, start_generation)
-            return
-        self._prepare_receive_buffer(st, self._view)  # now, if the job published its size: ready means ready
+        """First formation; a hot spare waits here for a rank (unless :meth:`assign` already did)."""
+        if self.spare_id is not None and self.rank < 0:
+            self.assign(st)
+        self.reform(st, tx, self._first_generation(start_generation))
+
+    def enter_first(self, start_generation: int) -> None:
+        """Form the first generation's process group before the training state exists (a device mesh needs
+        one to shard the model on); :meth:`join` agrees and hydrates in it. Retried with the next
+        generation while a peer fails meanwhile."""
+        minimum, on_slow = self._first_generation(start_generation), None
+        while True:
+            plan = membership.wait_for_generation(self._view, minimum, on_slow=on_slow)
+            if plan.state is not JobState.RUNNING:
+                raise JobEnded(f"hp: job {plan.state}: {plan.reason}")
+            try:
+                self._enter(plan, -1)
+                self._entered = plan
+                return
+            except membership.JobFinished as e:
+                self._left(plan, -1, e)
+            except (CollectiveError, membership.Superseded, RuntimeError) as e:
+                self._failed(plan, e)
+                message = f"forming generation {plan.generation} failed: {e}"  # see reform
+                minimum = self._retry = plan.generation + 1
+                on_slow = lambda message=message: self.report("collective", message)  # noqa: E731
+
+    def _first_generation(self, start_generation: int) -> int:
+        return max(self._assigned if self.spare_id is not None else start_generation, self._retry)
+
+    def assign(self, st: TrainingState | None) -> int:
+        """A hot spare: say it is ready, wait until the controller gives it a rank; returns the rank.
+        ``st``: the training state when registered (a receive buffer for its hydration is prepared while
+        it waits), None for a spare that needs its rank before it can build its model (a device mesh)."""
+        if st is not None:
+            self._prepare_receive_buffer(st, self._view)  # now, if the job published its size: ready means ready
         cpu = os.times()
         self._events.record(Event.SPARE_READY, spare=self.spare_id, cpu_s=round(cpu.user + cpu.system, 3))
         try:
             self._controller.call(Verb.SPARE_READY, {"node_rank": self.node_rank, "spare": self.spare_id})
         except ControlPlaneError as e:  # best effort: a spare never heard from is still promoted when none is ready
             self._events.record(Event.SPARE_READY_UNREPORTED, spare=self.spare_id, error=str(e)[:300])
-        self.rank, generation = membership.wait_for_assignment(
-            self._view, self.spare_id, on_idle=lambda view: self._prepare_receive_buffer(st, view))
-        self._events.record(Event.ASSIGNED, spare=self.spare_id, rank=self.rank, generation=generation)
-        self.reform(st, tx, generation)
+        idle = (lambda view: self._prepare_receive_buffer(st, view)) if st is not None else None
+        self.rank, self._assigned = membership.wait_for_assignment(self._view, self.spare_id, on_idle=idle)
+        self._events.record(Event.ASSIGNED, spare=self.spare_id, rank=self.rank, generation=self._assigned)
+        return self.rank
 
     def _prepare_receive_buffer(self, st: TrainingState, view: membership.JobView) -> None:
         """Spare, while waiting: allocate and fault in the buffer a hydration will land in. Page faults
@@ -79,7 +112,7 @@ class Formation:
 
     def publish_state_size(self, st: TrainingState) -> None:
         """Rank 0, once: the size of a full hydration, so that spares pre-fault a receive buffer of it."""
-        if st.sharded is None and self.rank == 0:
+        if st.sharded is None and st.fsdp is None and self.rank == 0:
             self._publish(STATE_NBYTES_KEY, str(state.wire_nbytes(st.capture())))
 
     def report(self, reason: str, message: str) -> None:
@@ -101,29 +134,40 @@ class Formation:
         """Form the newest generation >= ``minimum`` and bring this rank to the agreed step,
         retrying with the next generation if a peer fails meanwhile."""
         while True:
-            plan = membership.wait_for_generation(self._view, minimum, on_slow=on_slow)
-            if plan.state is JobState.PREEMPTED:
-                self._save_for_preemption(st, tx, plan)
-            if plan.state is not JobState.RUNNING:
-                raise JobEnded(f"hp: job {plan.state}: {plan.reason}")
+            plan, entered = self._entered, self._entered is not None  # formed before the state existed
+            self._entered = None
+            if plan is None or plan.generation < minimum:
+                plan, entered = membership.wait_for_generation(self._view, minimum, on_slow=on_slow), False
+                if plan.state is JobState.PREEMPTED:
+                    self._save_for_preemption(st, tx, plan)
+                if plan.state is not JobState.RUNNING:
+                    raise JobEnded(f"hp: job {plan.state}: {plan.reason}")
             try:
-                self._form(st, tx, plan)
+                if not entered:
+                    self._enter(plan, st.committed)
+                self._settle(st, tx, plan)
                 return
             except membership.JobFinished as e:  # a joiner of a grow decided during the last steps
-                self._events.record(Event.LEFT, rank=self.rank, generation=plan.generation, holder=self.holder,
-                                    step=st.committed, why=str(e))
-                raise JobEnded(0) from None
+                self._left(plan, st.committed, e)
             except sharded.ShardLost as e:
                 self.report("unrecoverable", str(e))
                 raise JobEnded(f"hp: {e}") from None
             except (CollectiveError, membership.Superseded, state.StateTransferError, RuntimeError) as e:
-                self._events.record(Event.REFORM_FAILED, generation=plan.generation, rank=self.rank, error=str(e)[:300])
-                self._link.release()
-                self._machine.failed(in_step=False)
+                self._failed(plan, e)
                 # a dead peer is reported by its agent; a failure every process survived (every rank
                 # inside this re-form, none in a step) is reported by nobody else: ask when it is slow
                 message = f"re-forming generation {plan.generation} failed: {e}"
                 minimum, on_slow = plan.generation + 1, lambda message=message: self.report("collective", message)
+
+    def _left(self, plan: Plan, step: int, why: Exception) -> NoReturn:
+        self._events.record(Event.LEFT, rank=self.rank, generation=plan.generation, holder=self.holder,
+                            step=step, why=str(why))
+        raise JobEnded(0) from None
+
+    def _failed(self, plan: Plan, error: Exception) -> None:
+        self._events.record(Event.REFORM_FAILED, generation=plan.generation, rank=self.rank, error=str(error)[:300])
+        self._link.release()
+        self._machine.failed(in_step=False)
 
     def _save_for_preemption(self, st: TrainingState, tx: StepTransaction, plan: Plan) -> NoReturn:
         """The job is preempted (the tiered-checkpoint rung of graceful preemption): the plan keeps every
@@ -136,7 +180,8 @@ class Formation:
                       file=sys.stderr, flush=True)
             raise JobEnded(0)
         try:
-            self._form(st, tx, plan)  # every rank forms: whether a step was committed is agreed here
+            self._enter(plan, st.committed)  # every rank forms: whether a step was committed is agreed here
+            self._settle(st, tx, plan)
             if st.committed < 0:
                 raise JobEnded(0)
             ladder.save(st, self.rank, st.committed, urgent=True)
@@ -149,11 +194,12 @@ class Formation:
                   file=sys.stderr, flush=True)
         raise JobEnded(0)
 
-    def _form(self, st: TrainingState, tx: StepTransaction, plan: Plan) -> None:
+    def _enter(self, plan: Plan, step: int) -> None:
+        """Pass the fence and form the generation's process group (``step``: this rank's committed one)."""
         rank = plan.rank_of(self.holder)
         if rank is None and (plan.at_boundary or plan.why in RESIZES):
             self._events.record(Event.LEFT, rank=self.rank, generation=plan.generation, holder=self.holder,
-                                step=st.committed, why=plan.why)
+                                step=step, why=plan.why)
             print(f"hp: rank {self.rank} left the job ({plan.why}, generation {plan.generation})",
                   file=sys.stderr, flush=True)
             raise JobEnded(0)
@@ -166,25 +212,37 @@ class Formation:
         membership.arrive(self._view, plan.generation, plan.world_size)
         self._link.form(self.rank, plan.world_size, plan.generation, plan.forming_store)
         self._events.record(Event.PG_READY, generation=plan.generation, rank=self.rank)
+
+    def _settle(self, st: TrainingState, tx: StepTransaction, plan: Plan) -> None:
+        """In the formed group: agree on the newest committed step and bring every rank to it."""
         if st.factories is not None:
             st.build_optimizer()
-        sh = st.sharded
-        # with a sharded optimizer, the partitioning its shards are in (a scale event changes it)
-        before = sh.partition if sh is not None and sh.version >= 0 else (-1, -1)
-        held_ring = sh.held_ring if sh is not None and sh.version >= 0 else ()
+        sh, fs = st.sharded, st.fsdp
+        # with a sharded optimizer, the partitioning its shards are in (a scale event changes it); an FSDP
+        # model's shards (pure FSDP: replicated along a ring) are its rank's of the mesh's world
+        before, held_ring = (-1, -1), ()
+        if sh is not None and sh.version >= 0:
+            before, held_ring = sh.partition, sh.held_ring
+        elif fs is not None and fs.version >= 0 and fs.replicas is not None:
+            before, held_ring = (self.rank, fs.mesh.layout.world), fs.ring or replicas.identity(fs.mesh.layout.world)
         if sh is not None:
             sh.rebind(self.rank, plan.world_size)
-        # every rank's committed step (row 0); with a sharded optimizer its shard versions (rows 1-3)
-        # and the rank and world size of its shard's partitioning (rows 4-5); its node (row 6: the new
-        # partitioning's replication ring puts a rank's buddy on another node), whether its shard's
-        # partitioning replicates along a ring other than the identity (row 7), the samples consumed
-        # through its committed step (row 8: with a per-replica batch, a function of the world-size
-        # history) and the world size its state is for (row 9: the LR of a policy that scales it)
-        info = self._agree = torch.zeros(10, plan.world_size, dtype=torch.int64)
-        info[:, self.rank] = torch.tensor([st.committed, sh.version if sh else -1,
-                                           sh.replica_version if sh else -1, tx.grads_step, *before,
-                                           self.node_rank, int(held_ring != sharded.identity(len(held_ring))),
-                                           st.samples, st.world])
+        # every rank's committed step (row 0); with sharded state its versions (rows 1-3: its own shard's
+        # step, its copy of its ward's, the step of the reduced gradients it holds; row 10: the step of the
+        # gradients that came with that copy, FSDP) and the rank and world size of its shard's partitioning
+        # (rows 4-5); its node (row 6: a new replication ring puts a rank's buddy on another node), whether
+        # its shards replicate along a ring other than the identity (row 7), the samples consumed through
+        # its committed step (row 8: with a per-replica batch, a function of the world-size history) and the
+        # world size its state is for (row 9: the LR of a policy that scales it)
+        shard, replica, replica_grads = -1, -1, -1
+        if sh is not None:
+            shard, replica = sh.version, sh.replica_version
+        elif fs is not None:
+            shard, replica, replica_grads = fs.version, fs.replica_at, fs.replica_grads
+        info = self._agree = torch.zeros(11, plan.world_size, dtype=torch.int64)
+        info[:, self.rank] = torch.tensor([st.committed, shard, replica, tx.grads_step, *before, self.node_rank,
+                                           int(held_ring != replicas.identity(len(held_ring))),
+                                           st.samples, st.world, replica_grads])
         self._link.collective(dist.all_reduce, info)
         newest = int(info[0].max())
         source = int((info[0] == newest).nonzero()[0])
@@ -206,15 +264,20 @@ class Formation:
             plan.generation, newest, source=source,
             behind=[r for r in range(plan.world_size) if info[0, r] < newest or info[9, r] != info[9, source]],
             versions=sharded.Versions(*info[:4].tolist()), previous_world=previous_world,
-            previous_ranks=tuple(info[4].tolist()), ring=ring)
-        if sh is not None:  # the same partitioning keeps its ring; a new one gets a ring across nodes
-            same = previous_world == plan.world_size and not agreement.resharding(plan.world_size)
-            sh.set_ring(ring if same else sharded.node_ring(info[6].tolist()))
+            previous_ranks=tuple(info[4].tolist()), ring=ring, replica_grads=tuple(info[10].tolist()))
+        # the same partitioning keeps its ring; a new one gets a ring across nodes
+        same = previous_world == plan.world_size and not agreement.resharding(plan.world_size)
+        if sh is not None:
+            sh.set_ring(ring if same else replicas.node_ring(info[6].tolist()))
+        elif fs is not None and fs.replicas is not None:
+            fs.ring = ring if same else replicas.node_ring(info[6].tolist())
         if agreement.behind:
             self._fire(newest, "hydration")
         st.samples, st.world = int(info[8, source]), int(info[9, source])  # what the hydrated state is at
         if newest < 0 and self.restore(st, "job start"):
             pass  # a job started again: the newest checkpoint, if there is one
+        elif fs is not None:
+            hydration.fsdp_shards(st, agreement, self.rank, self._link.collective, self._events)
         elif sh is None:
             hydration.replicated(st, agreement, self.rank, self._events)
         else:

@@ -7,7 +7,9 @@ released); every tensor handed to a collective stays referenced from Python by i
 worker threads never need the GIL while the teardown waits for them; and whatever else holds the
 group (a ZeroRedundancyOptimizer) lets go of it first (``on_release``). Forming reads the rendezvous
 keys through :class:`FormingStore`, so a peer that died after the arrival barrier costs a re-form, not
-the group's whole init timeout, and bounds gloo's connects by :data:`CONNECT_TIMEOUT`.
+the group's whole init timeout, and bounds gloo's connects by :data:`CONNECT_TIMEOUT`. A job that
+shards its model on a device mesh (:mod:`hp.checkpointless.mesh`) gets the mesh's groups formed with
+the default group and unbound first when it is released.
 """
 
 from __future__ import annotations
@@ -96,6 +98,7 @@ class GroupLink:
         self.rank, self.world_size = -1, 0
         self._forming_store: FormingStore | None = None
         self._hosted: dict[str, dist.Store] = {}  # clients of agent-hosted forming stores, by HOST:PORT
+        self.mesh: Any = None  # a GenerationMesh (hp.checkpointless.mesh), formed with every generation
 
     def form(self, rank: int, world_size: int, generation: int, forming_store: str = "") -> None:
         """Initialise the group of ``generation`` (the machine is already FORMING it) on the store its plan
@@ -103,9 +106,12 @@ class GroupLink:
         base = self._hosted_store(forming_store) if forming_store else self._store
         store = FormingStore(base, self._machine.superseded, self._pg_timeout)
         with self._lock:
+            connect_timeout = min(CONNECT_TIMEOUT, self._pg_timeout)
             self._transport.init_process_group(store, rank, world_size, generation, self._pg_timeout,
-                                               connect_timeout=min(CONNECT_TIMEOUT, self._pg_timeout))
+                                               connect_timeout=connect_timeout)
             self.live = True
+            if self.mesh is not None:
+                self.mesh.form(self._transport, world_size, self._pg_timeout, connect_timeout)
         self._forming_store = store  # the group holds it: kept referenced from Python while the group lives
         self.rank, self.world_size = rank, world_size
 
@@ -146,6 +152,8 @@ class GroupLink:
             if not self.live:
                 return
             self.live = False
+            if self.mesh is not None:
+                self.mesh.release()
             self._on_release()
             self._transport.abort()
             self._events.record(Event.RELEASED, generation=self._machine.generation, rank=self.rank)
@@ -154,4 +162,6 @@ class GroupLink:
         with self._lock:
             if self.live and dist.is_initialized():
                 self.live = False
+                if self.mesh is not None:
+                    self.mesh.release()
                 dist.destroy_process_group()

@@ -5,7 +5,9 @@ Sharded optimizer state (:mod:`hp.checkpointless.sharded`): each missing shard c
 buddy (the next rank in the ring its replicas were made with) (rolled forward when one step old), the replicated rest (buffers, LR schedule, RNG, extras)
 from the lowest up-to-date rank, each partition's parameters from its owner; then shards are
 replicated again. After a scale event that changed the partitioning, the shards are resharded first
-(:mod:`hp.checkpointless.reshard`). Every transfer is one checksummed flat buffer (:mod:`hp.checkpointless.state`).
+(:mod:`hp.checkpointless.reshard`). An FSDP2 model's shards (:mod:`hp.checkpointless.fsdp`) come from a
+rank of the same replicate group (HSDP) or from the buddy's copy, rolled forward (FSDP). Every
+transfer is one checksummed flat buffer (:mod:`hp.checkpointless.state`).
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from hp.checkpointless import reshard, sharded, state
+from hp.checkpointless import fsdp, reshard, sharded, state
 from hp.checkpointless.events import EventLog
 from hp.checkpointless.registry import TrainingState
 from hp.checkpointless.transaction import StepTransaction
@@ -36,6 +38,8 @@ class Agreement:
     # the replication ring of the partitioning the held shards and replicas are in (the previous one
     # when resharding), by which each rank's buddy is found; (): the identity (buddy r + 1)
     ring: tuple[int, ...] = ()
+    # an FSDP model's: per rank, the step of the gradients that came with its copy of its ward's shard
+    replica_grads: tuple[int, ...] = ()
 
     def resharding(self, world: int) -> bool:
         """Whether optimizer shards move: another world size, or a survivor with another rank."""
@@ -81,6 +85,43 @@ def sharded_optimizer(st: TrainingState, tx: StepTransaction, a: Agreement, rank
     if moved is not None:
         sh.adopt(moved, a.newest)
     sh.replicate(rank, collective)
+
+
+def fsdp_shards(st: TrainingState, a: Agreement, rank: int, collective: Callable, events: EventLog) -> None:
+    """An FSDP2 model: ranks that missed the vote roll their own shard forward, a replacement gets its
+    shard from a rank holding the same one (HSDP) or from its buddy's copy, rolled forward (FSDP); the
+    replicated rest from the source; then (pure FSDP) every rank copies its shard to its buddy again."""
+    fs, optimizer = st.fsdp, st.optimizer
+    v = fsdp.ShardVersions(a.versions.shard, a.versions.grads, a.versions.replica, list(a.replica_grads))
+    rolls, sources = fsdp.plan_sources(v, a.newest, fs.mesh.layout, fs.ring)  # ShardLost: on every rank alike
+    if rank in rolls:  # finished the backward of `newest`, missed its vote: its own gradients are still there
+        fs.roll_forward(optimizer, a.newest)
+        events.record(Event.SHARD_REBUILT, rank=rank, step=a.newest, buddy=None, rolled_forward=True,
+                      generation=a.generation)
+    for r, (src, roll) in sorted(sources.items()):
+        if rank == src:
+            # pure FSDP: the buddy's copy of the shard (with what rolls it forward); HSDP: its own shard
+            copy = fs.replicas.held if fs.replicas is not None else \
+                {"at": a.newest, "shard": fs.shard(optimizer), "grads": None, "hyper": None}
+            state.send_state(copy, r)
+        elif rank == r:
+            message = state.recv_state(src)  # a fresh buffer: the optimizer keeps its tensors
+            fs.load_shard(optimizer, message["shard"], int(message["at"]))
+            if roll:
+                if message["grads"] is None:
+                    raise state.StateTransferError(f"rank {src} sent a shard of step {message['at']} without "
+                                                   f"the gradients that bring it to step {a.newest}")
+                fs.roll_forward(optimizer, a.newest, message["grads"], message["hyper"])
+            events.record(Event.SHARD_REBUILT, rank=r, step=a.newest, buddy=src, rolled_forward=roll,
+                          generation=a.generation)
+    for r in a.behind:
+        if rank == a.source:
+            state.send_state(st.replicated_part(), r)
+        elif rank == r:
+            st.load_replicated_part(state.recv_state(a.source))
+            _hydrated(st, a, rank, events)
+    if rolls or sources:  # the buddies' copies of the hydrated shards, and the hydrated ranks' of their wards
+        fs.replicate(rank, optimizer, a.newest, False, collective)
 
 
 def _rebuild_shards(sh: sharded.ShardedOptimizer, tx: StepTransaction, a: Agreement, rank: int,

@@ -1,7 +1,8 @@
 """The training state a job registers with hp, and its last committed snapshot.
 
 What hydration (:mod:`hp.checkpointless.hydration`), the job-level rung (:mod:`hp.checkpointless.ladder`)
-and, later, elastic resharding take: the model, optimizer (or its factory), scheduler, AMP grad scaler,
+and elastic resharding take: the model (replicated, or sharded with FSDP2 on hp's device mesh:
+:mod:`hp.checkpointless.fsdp`), optimizer (or its factory), scheduler, AMP grad scaler,
 extra state, the optional checkpoint store, and what a replayed step rolls back to: the RNG states and
 the model's buffers as of the last committed step (a failed step's forward already updated BatchNorm's
 running statistics; the replay must start from the committed ones).
@@ -17,21 +18,26 @@ from typing import Any
 import torch
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
-from hp.checkpointless import sharded, state
+from hp.checkpointless import fsdp, sharded, state
 from hp.checkpointless.rng import capture_rng, restore_rng
 from hp.core.errors import UsageError
+
+
+def warm_optimizer_imports() -> None:
+    """The first optimizer a process builds pays torch's lazy imports (torch._dynamo, ~0.4 s idle, 4 s
+    under load): paid ahead by whatever builds its optimizer late (a factory, a hot spare that builds
+    its model once it has a rank), not while a spare is being promoted."""
+    torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.0)
 
 
 class TrainingState:
     def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | Callable | None = None,
                  scheduler: Any = None, extra: Any = None, checkpoint: Any = None, scaler: Any = None,
-                 broadcast_buffers: bool = True) -> None:
+                 broadcast_buffers: bool = True, mesh: Any = None) -> None:
         self.factories: tuple[Callable, Callable | None] | None = None  # built once a group exists
         if callable(optimizer) and not isinstance(optimizer, torch.optim.Optimizer):
             self.factories, optimizer, scheduler = (optimizer, scheduler), None, None
-            # the first optimizer a process builds pays torch's lazy imports (torch._dynamo, ~1 s, 4 s
-            # under load): pay them now, not while a spare is being promoted
-            torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=0.0)
+            warm_optimizer_imports()
         elif callable(scheduler) and not hasattr(scheduler, "state_dict"):
             raise UsageError("a scheduler factory needs an optimizer factory: pass optimizer=lambda params: ...")
         if isinstance(optimizer, ZeroRedundancyOptimizer):
@@ -44,6 +50,7 @@ class TrainingState:
         self.broadcast_buffers = broadcast_buffers
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.sharded: sharded.ShardedOptimizer | None = None
+        self.fsdp = self._sharded_model(model, mesh, scaler, checkpoint)
         self.committed = -1  # last committed step
         # samples the job consumed through the committed step: where the next step's samples start
         # (StepSampler). Only committed steps count, so a failed step's replay reads the same samples.
@@ -56,6 +63,22 @@ class TrainingState:
         self._snapshot = state.StateBuffer(state.flatten(self.buffers)[0]) if self.buffers else None
         self.mark_committed(-1)
 
+    @staticmethod
+    def _sharded_model(model: torch.nn.Module, mesh: Any, scaler: Any, checkpoint: Any) -> fsdp.ShardedModel | None:
+        """An FSDP2 model (``fully_shard`` on the mesh of ``ctx.device_mesh()``): its recovery side."""
+        from torch.distributed.fsdp import FSDPModule
+
+        if not isinstance(model, FSDPModule):
+            return None
+        if mesh is None:
+            raise UsageError("shard the model on the mesh hp forms for each generation: "
+                             "mesh = ctx.device_mesh(...); fully_shard(module, mesh=mesh)")
+        if scaler is not None:
+            raise UsageError("a GradScaler with an FSDP2 model is not supported yet (train in bf16)")
+        if checkpoint is not None:
+            raise UsageError("the job-level checkpoint rung does not take FSDP2 state yet")
+        return fsdp.ShardedModel(model, mesh)
+
     def build_optimizer(self) -> None:
         """Call the registered factories (once this process is in a process group)."""
         make_optimizer, make_scheduler = self.factories
@@ -63,6 +86,8 @@ class TrainingState:
         self.optimizer = make_optimizer(list(self.model.parameters()))
         self.scheduler = make_scheduler(self.optimizer) if make_scheduler is not None else None
         if isinstance(self.optimizer, ZeroRedundancyOptimizer):
+            if self.fsdp is not None:
+                raise UsageError("an FSDP2 model shards its optimizer state itself: use a plain optimizer")
             if self.scaler is not None:
                 raise UsageError("a GradScaler with a ZeroRedundancyOptimizer is not supported yet")
             self.sharded = sharded.ShardedOptimizer(self.optimizer, self.params)
@@ -71,6 +96,8 @@ class TrainingState:
     def mark_committed(self, step: int) -> None:
         """``step`` is committed: what a later failed step rolls back to is taken now."""
         self.committed, self.rng = step, capture_rng()
+        if self.fsdp is not None:
+            self.fsdp.version = step  # an FSDP rank's own shard is at its committed step
         if self._snapshot is not None:
             self._snapshot.pack(self.buffers)
 
@@ -82,6 +109,8 @@ class TrainingState:
             with torch.no_grad():
                 for buf, saved in zip(self.buffers, self._snapshot.unpack()):
                     buf.copy_(saved)
+        if self.fsdp is not None:
+            self.fsdp.reset()
 
     # ---- what travels to a replacement ------------------------------------------------------
     def capture(self) -> dict:
@@ -123,7 +152,8 @@ class TrainingState:
                  "optimizer": optimizer.state_dict() if optimizer is not None else None,
                  "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
                  "scaler": self.scaler.state_dict() if self.scaler is not None else None}
-        return {name: None if part is None else digest(part) for name, part in parts.items()}
+        # a sharded model's parts are this rank's shards (local tensors of its DTensors)
+        return {name: None if part is None else digest(fsdp.local(part)) for name, part in parts.items()}
 
 
 def digest(obj: Any) -> str:

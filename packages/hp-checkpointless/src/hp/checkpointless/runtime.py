@@ -17,6 +17,7 @@ import os
 import signal
 import sys
 import threading
+import traceback
 from collections.abc import Callable, Iterator, Sequence
 from datetime import timedelta
 from typing import Any
@@ -28,9 +29,10 @@ from hp.checkpointless.events import EventLog
 from hp.checkpointless.faults import FaultPlan
 from hp.checkpointless.formation import Formation
 from hp.checkpointless.group import GroupLink
+from hp.checkpointless.mesh import GenerationMesh, MeshLayout
 from hp.checkpointless.recovery import CollectiveError, JobEnded, RankState, RecoveryMachine
 from hp.checkpointless.reduction import Reduction
-from hp.checkpointless.registry import TrainingState
+from hp.checkpointless.registry import TrainingState, warm_optimizer_imports
 from hp.checkpointless.microbatch import micro_batch_seed
 from hp.checkpointless.sampler import StepLoader
 from hp.checkpointless.transaction import StepTransaction
@@ -49,6 +51,11 @@ EXIT_ORPHANED = 76  # the agent died: no one supervises this process
 # Sent by the watch thread to the main thread to stop a step whose group is already dead. SIGUSR2,
 # not SIGUSR1, which Slurm and Lightning use for requeue notices.
 INTERRUPT_SIGNAL = signal.SIGUSR2
+
+
+# the mesh collectives that reduce gradients (FSDP: reduce-scatter; HSDP also all-reduces)
+REDUCTIONS = frozenset({"reduce_scatter", "_reduce_scatter_base", "reduce_scatter_tensor_coalesced",
+                        "reduce_scatter_single", "reduce_scatter_single_coalesced", "allreduce"})
 
 
 class Step(int):
@@ -123,6 +130,7 @@ class Context:
         self._reform_due = False  # the last vote said: re-form (a planned generation) before the next step
         self._on_scale: Callable[[int, int], None] | None = None
         self._size_published = False
+        self._reduction_fired = False  # the step's "allreduce" fault phase fired (FSDP: at its first reduce-scatter)
         self._can_interrupt = threading.current_thread() is threading.main_thread()
         if self._can_interrupt:
             signal.signal(INTERRUPT_SIGNAL, self._interrupt)
@@ -170,6 +178,33 @@ class Context:
     def scheduler(self) -> Any:
         return self._training.scheduler if self._training is not None else None
 
+    def device_mesh(self, *, replicate: int = 1, shard: int | None = None) -> Any:
+        """The ``torch.distributed.DeviceMesh`` to shard the model on with FSDP2 (``fully_shard(module,
+        mesh=mesh)``): 1-D (``shard`` = every rank) by default, HSDP with ``replicate`` > 1 (dims
+        ``("replicate", "shard")``, ``shard`` ranks each, consecutive ranks in a shard group). Its process
+        groups are those of the current generation, re-formed with every generation
+        (:mod:`hp.checkpointless.mesh`); a lost rank's shards come back from peers
+        (:mod:`hp.checkpointless.fsdp`). The job's first process group forms here, and a hot spare waits
+        here until it is given a rank (its shards depend on it). Call it once, before sharding the model
+        and ``ctx.register``."""
+        layout = MeshLayout.of(self._env_world_size, replicate, shard)
+        mesh = self._link.mesh
+        if mesh is not None:
+            if mesh.layout != layout:
+                raise UsageError(f"ctx.device_mesh() was called for {mesh.layout.sizes}, now {layout.sizes}")
+            return mesh.device_mesh
+        if self._training is not None:
+            raise UsageError("call ctx.device_mesh() before ctx.register(...)")
+        if self._formation.rank < 0:
+            warm_optimizer_imports()  # a spare builds its model and optimizer once promoted: not the imports
+        rank = self._formation.rank if self._formation.rank >= 0 else self._formation.assign(None)
+        device_type = torch.device(self._transport.device_for(0)).type
+        self._link.mesh = GenerationMesh(layout, rank, device_type, before=self._before_collective)
+        # torch's mesh needs a default group to shard on: the first generation forms now, and settles
+        # (agreement, hydration) in ctx.steps()
+        self._formation.enter_first(self._start_generation)
+        return self._link.mesh.device_mesh
+
     def register(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | Callable | None = None,
                  scheduler: Any = None, extra: Any = None, checkpoint: ladder.JobCheckpoint | None = None, *,
                  scaler: Any = None, broadcast_buffers: bool = True, reduction: Reduction | None = None,
@@ -192,10 +227,19 @@ class Context:
         ``hp.elastic.ExactReduction()``). ``on_scale(old_world, new_world)``: called after a formation
         whose world size differs from the one the state is for, before the next step, on every rank
         alike (a survivor, a joiner that hydrated from one, a job restored from a checkpoint taken at
-        another size), to change user state that depends on W (``hp.elastic.on_scale_lr``)."""
-        st = self._training = TrainingState(model, optimizer, scheduler, extra, checkpoint, scaler, broadcast_buffers)
+        another size), to change user state that depends on W (``hp.elastic.on_scale_lr``). A model
+        sharded with FSDP2 (``fully_shard``) must be sharded on :meth:`device_mesh`; FSDP then reduces
+        the gradients in backward, and ``reduction`` does not apply."""
+        mesh = self._link.mesh
+        st = TrainingState(model, optimizer, scheduler, extra, checkpoint, scaler, broadcast_buffers, mesh=mesh)
+        if st.fsdp is not None and reduction is not None:
+            raise UsageError("an FSDP2 model's gradients are reduced by FSDP: pass no reduction=")
+        self._training = st
         self._tx = StepTransaction(st, self._link.collective, reduction)
         self._on_scale = on_scale
+        if st.fsdp is not None:  # gradients land on the sharded parameters without hooks: backward starts here
+            model.register_forward_hook(self._hook_output)
+            return
         if st.params:  # the "backward" fault phase fires while the first parameter's gradient is accumulated
             st.params[0].register_post_accumulate_grad_hook(self._on_backward)
         for i, p in enumerate(st.params):
@@ -219,6 +263,7 @@ class Context:
                 self._machine.to(RankState.COMPUTING)
                 self._tx.begin()
                 self._step_samples = 0
+                self._reduction_fired = False
                 try:
                     self._phase(step, "forward")
                 except Exception as exc:  # an injected fault: the step failed before the user's code ran
@@ -235,6 +280,8 @@ class Context:
     def _micro_batches(self, step: Step, loader: StepLoader) -> Iterator[Any]:
         if self._step is not step or self._machine.state is not RankState.COMPUTING:
             raise UsageError("step.micro_batches(loader) is called inside `with step:`, before ctx.commit")
+        if self._training.fsdp is not None:
+            raise UsageError("step.micro_batches() with an FSDP2 model is not supported yet")
         sampler, world = loader.sampler, self.world_size
         self._tx.split(sampler.micro_batches_at(world))
         self._step_samples = sampler.samples_at(world)
@@ -251,7 +298,8 @@ class Context:
         if self._step is None or self._machine.state is not RankState.COMPUTING:
             raise UsageError("ctx.reduce() is called once per step, inside `with step:`, before ctx.commit(loss)")
         self._machine.to(RankState.COMMITTING)  # from here on a failure surfaces in a collective, never midway
-        self._phase(self._step, "allreduce")
+        if not self._reduction_fired:
+            self._phase(self._step, "allreduce")
         self._tx.reduce(int(self._step), self.world_size)
 
     def commit(self, loss: torch.Tensor | float | Sequence[torch.Tensor | float]) -> float:
@@ -345,6 +393,7 @@ class Context:
         failed_generation = self.generation
         self.events.record(Event.FAILURE_DETECTED, step=int(step), rank=self.rank, generation=failed_generation,
                            error=f"{type(exc).__name__}: {exc}"[:300], in_step=failure.in_step, replay=failure.replay)
+        _drop_frames(exc)
         self._link.release()
         self._tx.abort()
         self._training.rollback()
@@ -372,7 +421,15 @@ class Context:
         if self._training is not None and self._training.sharded is not None:
             self._training.sharded.unbind()
 
-    def _on_backward(self, _param: torch.Tensor) -> None:
+    def _hook_output(self, _module: torch.nn.Module, _args: Any, output: Any) -> None:
+        """An FSDP model's forward returned ``output``: the gradient reaching it starts backward (the
+        "backward" fault phase), the way FSDP's own pre-backward hook is placed."""
+        for t in (output if isinstance(output, (tuple, list)) else (output,)):
+            if isinstance(t, torch.Tensor) and t.requires_grad:
+                t.register_hook(lambda grad: self._on_backward(None))
+                return
+
+    def _on_backward(self, _param: torch.Tensor | None) -> None:
         if self._step is not None and self._machine.state is RankState.COMPUTING:
             self._phase(self._step, "backward")
 
@@ -386,6 +443,17 @@ class Context:
             raise CollectiveError(f"{self._machine.superseded()} during backward")
         if self._step is not None and self._machine.state is RankState.COMPUTING:
             self._tx.gradient_ready(index)
+
+    def _before_collective(self, op: str) -> None:
+        """Every collective on the device mesh (FSDP's all-gathers and reductions, DTensor's): a step
+        whose generation is dead stops here, and the step's gradient reduction starts at its first
+        reduce-scatter (the "allreduce" fault phase)."""
+        if self._machine.take_interrupt():
+            raise CollectiveError(f"{self._machine.superseded()} during the step")
+        if (not self._reduction_fired and op in REDUCTIONS and self._step is not None
+                and self._machine.state is RankState.COMPUTING):
+            self._reduction_fired = True
+            self._phase(self._step, "allreduce")
 
     def _on_generation(self, plan: Plan) -> None:
         """Watch thread: a newer generation means this rank's group is dead; stop a step that computes
@@ -432,6 +500,17 @@ class Context:
             self._channel.close()
         self._link.close()
         self.events.close()
+
+
+def _drop_frames(exc: BaseException) -> None:
+    """The frames of a collective that failed inside torch (FSDP's, in backward) hold its group, in the
+    exception's traceback and in those of the exceptions it was raised while handling (torch's logging
+    wrapper raises a second one): they let go of it before the group is destroyed (group.py)."""
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        traceback.clear_frames(exc.__traceback__)
+        exc = exc.__context__ or exc.__cause__
 
 
 def _number(value: Any) -> float:

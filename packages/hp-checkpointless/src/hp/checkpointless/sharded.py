@@ -3,11 +3,7 @@
 With ZeRO each rank holds the optimizer state of one partition of the parameters only, so no peer
 can hand a replacement "the" state the way DDP replicas can. After every committed step each rank
 copies its shard (partition parameters + local optimizer state) to its **buddy**, the next rank in
-the partitioning's **ring** (a permutation of the ranks, agreed at the re-form that made the
-partitioning), which keeps it in CPU memory (two alternating buffers, so a transfer that dies midway
-never damages the copy it already has). The ring puts consecutive ranks on different nodes whenever
-it can (:func:`node_ring`), so a lost node never takes a shard and its only copy with it; without one
-(a single node) it is the identity: buddy ``(rank + 1) % W``.
+the partitioning's **ring**, which keeps it in CPU memory (:mod:`hp.checkpointless.replicas`).
 
 A step's tail is: vote → local shard step → scheduler → *committed* → parameter sync → replication.
 Everything up to "committed" is local and cannot be stopped by a peer, so a survivor's own shard is
@@ -35,13 +31,12 @@ import torch.distributed as dist
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from hp.checkpointless import state
-
-
-NO_REPLICA = -2  # replica_version while a rank holds no copy (-1 is a copy of the state before the first step)
+from hp.checkpointless.replicas import (NO_REPLICA, Replicas, buddy_in, check_ring, identity, node_ring,  # noqa: F401
+                                        ward_in)
 
 
 class ShardLost(RuntimeError):
-    """No live peer holds a copy of a rank's optimizer shard."""
+    """No live peer holds a copy of a rank's shard (optimizer or FSDP): in-process recovery cannot go on."""
 
 
 @dataclass(frozen=True)
@@ -52,40 +47,6 @@ class Versions:
     shard: list[int]  # step the rank's own shard is at (-1: no state, e.g. a fresh process)
     replica: list[int]  # step of the copy it holds of its ward's shard (ward: the previous rank in the ring; NO_REPLICA: none)
     grads: list[int]  # step whose averaged gradients it still holds (-1: none)
-
-
-def identity(world: int) -> tuple[int, ...]:
-    return tuple(range(world))
-
-
-def node_ring(nodes: Sequence[int]) -> tuple[int, ...]:
-    """A ring over the ranks (``nodes[r]``: rank r's node) in which consecutive ranks are on different
-    nodes whenever possible: ranks ordered by (index of the rank within its node, node). One node (or
-    none known) gives the identity; 2 nodes of 2 ranks ([0, 0, 1, 1]) give (0, 2, 1, 3)."""
-    seen: dict[int, int] = {}
-    keys = []
-    for r, n in enumerate(nodes):
-        keys.append((seen.get(n, 0), n, r))
-        seen[n] = seen.get(n, 0) + 1
-    return tuple(r for _, _, r in sorted(keys))
-
-
-def buddy_in(ring: Sequence[int], rank: int) -> int:
-    """The rank after ``rank`` in ``ring`` (that holds its replica)."""
-    return ring[(ring.index(rank) + 1) % len(ring)]
-
-
-def ward_in(ring: Sequence[int], rank: int) -> int:
-    """The rank before ``rank`` in ``ring`` (whose replica it holds)."""
-    return ring[(ring.index(rank) - 1) % len(ring)]
-
-
-def check_ring(ring: Sequence[int], world: int) -> tuple[int, ...]:
-    """``ring`` as a tuple (() : the identity), checked to be a permutation of the ``world`` ranks."""
-    ring = tuple(int(r) for r in ring) or identity(world)
-    if sorted(ring) != list(range(world)):
-        raise ValueError(f"{list(ring)} is no ring over {world} ranks")
-    return ring
 
 
 def hyper(groups: Sequence[dict]) -> list[dict]:
@@ -129,15 +90,12 @@ class ShardedOptimizer:
                                       "supported (hp does the gradient all-reduce itself; there is no DDP)")
         self.zero = zero
         self.version = -1  # step the own shard is at
-        self.replica: dict | None = None  # ward's shard (views into the active buffer)
-        self.replica_version = NO_REPLICA
+        self.replicas = Replicas()  # the ward's shard
         self.previous: Previous | None = None  # set by a re-partitioning rebind until the reshard is done
         self._ring: tuple[int, ...] | None = None  # replication ring of the current partitioning (None: identity)
-        self._buffers = [state.StateBuffer(None), state.StateBuffer(None)]
         self._gather: torch.Tensor | None = None  # every rank's partition, flat, padded to the longest
         self._gather_in: torch.Tensor | None = None
         self._gather_rows: list[torch.Tensor] = []
-        self._active = 0
         # where each parameter's gradient lives in the runtime's flat gradient buffer
         self._grad_slices: dict[int, tuple[int, int]] = {}
         offset = 0
@@ -148,6 +106,15 @@ class ShardedOptimizer:
     @property
     def world_size(self) -> int:
         return self.zero.world_size
+
+    @property
+    def replica(self) -> dict | None:
+        """The ward's shard (views into the active buffer of :attr:`replicas`)."""
+        return self.replicas.held
+
+    @property
+    def replica_version(self) -> int:
+        return self.replicas.version
 
     @property
     def ring(self) -> tuple[int, ...]:
@@ -339,27 +306,14 @@ class ShardedOptimizer:
         loaded["state"] = {i: states[p] for i, p in enumerate(params) if states.get(p)}
         optim.load_state_dict(loaded)  # keeps the tensors: received into buffers of their own, or the held shard's
         self.zero._sync_param_groups(self.zero.param_groups, optim.param_groups)
-        self.previous, self.replica, self.replica_version, self.version = None, None, NO_REPLICA, version
+        self.previous, self.version = None, version
+        self.replicas.drop()
 
     # ---- replicas -----------------------------------------------------------------------
     def replicate(self, rank: int, move: Callable[[Callable[[], None]], None]) -> None:
-        """Ring exchange: send the own shard to the buddy, keep the ward's. ``move`` runs one transfer
-        (it turns transport errors into the runtime's collective errors)."""
-        if self.world_size < 2:
-            return
-        send = lambda: state.send_state(self.shard(), self.buddy(rank))  # noqa: E731
-        recv = lambda: self._receive_replica(rank)  # noqa: E731
-        # even positions in the ring send first, odd ones receive first: no cycle of blocked sends for
-        # any ring length (an odd one ends with two senders in a row: the last sends to position 0,
-        # which receives once its own send is done)
-        for op in ((send, recv) if self.ring.index(rank) % 2 == 0 else (recv, send)):
-            move(op)
-
-    def _receive_replica(self, rank: int) -> None:
-        spare = self._buffers[1 - self._active]
-        received = state.recv_state(self.ward(rank), buffer=spare)
-        self._active = 1 - self._active
-        self.replica, self.replica_version = received, int(received["version"])
+        """Ring exchange: send the own shard to the buddy, keep the ward's (:class:`Replicas`)."""
+        if self.world_size >= 2:
+            self.replicas.exchange(self.ring, rank, self.shard, move)
 
     def send_for_replacement(self, dst: int, v: Versions, newest: int, flat_grads: torch.Tensor | None) -> None:
         """Buddy side: hand the ward's shard to its replacement, with what it needs to roll forward."""

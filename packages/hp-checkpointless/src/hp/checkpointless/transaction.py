@@ -8,6 +8,10 @@ optimizer's roll-forward finds there exactly the gradients the update used. With
 every rank in the same phase. With a registered ``torch.amp.GradScaler`` the averaged gradients are
 unscaled, and whether they hold an inf/NaN travels in the vote, so every rank skips the same steps.
 
+With a model sharded by FSDP2 (:mod:`hp.checkpointless.fsdp`) FSDP reduces the gradients itself,
+inside backward; ``reduce`` then only marks them reduced, copies this rank's shard and its gradients
+to its buddy (pure FSDP) and broadcasts the buffers: the vote still decides.
+
 A step may be split in ``M`` micro-batches (:meth:`StepTransaction.split`): the mean is then over the M
 micro-batches, whichever ranks computed them, and the vote carries one loss per micro-batch, summed in
 micro-batch order, so the step's loss does not depend on the world size either.
@@ -56,6 +60,8 @@ class StepTransaction:
         committed step are what a sharded optimizer's roll-forward needs (a peer that died in the tail)."""
         self.grads_step = -1
         self.micro_batches = None
+        if self._st.fsdp is not None:
+            self._st.fsdp.clear_grads()
         self.reduction.begin()
         if self.grads is not None:
             self.grads.zero_()
@@ -87,6 +93,12 @@ class StepTransaction:
 
     def reduce(self, step: int, world_size: int) -> None:
         """Average gradients (and with a scaler unscale them), broadcast rank 0's buffers."""
+        if self._st.fsdp is not None:
+            self.grads_step = step  # FSDP reduced them during backward
+            self._st.fsdp.replicate(dist.get_rank(), self._st.optimizer, step, True, self._collective)
+            if self._st.broadcast_buffers and world_size > 1:
+                self._broadcast_buffers()
+            return
         grads = self._gather(fold=self.micro_batches is not None)
         self.grads_step = -1
         self.reduction.reduce(grads, self.micro_batches or world_size, self._collective)

@@ -77,6 +77,21 @@ class TransportBackend:
         if init_timeout != timeout:
             _set_pg_timeout(timeout)  # torch has no public setter; the group's collectives get ``timeout``
 
+    def new_subgroup(self, ranks: list[int], timeout: timedelta = timedelta(minutes=10),
+                     connect_timeout: timedelta | None = None) -> dist.ProcessGroup:
+        """A process group of ``ranks`` inside the current default group (one dimension of a device
+        mesh), formed by its members only and on the default group's generation-prefixed store; the
+        same bounds as :meth:`init_process_group`. Destroying the default group destroys it too."""
+        import torch.distributed as dist
+        from torch.distributed.distributed_c10d import _set_pg_timeout
+
+        init_timeout = self.init_timeout(timeout, connect_timeout)
+        group = dist.new_group(sorted(ranks), timeout=init_timeout, backend=self.torch_backend,
+                               use_local_synchronization=True)
+        if init_timeout != timeout:
+            _set_pg_timeout(timeout, group)
+        return group
+
     def init_timeout(self, timeout: timedelta, connect_timeout: timedelta | None) -> timedelta:
         """The timeout to initialise the group with so that a first connect waits at most
         ``connect_timeout``. A backend that connects lazily (nccl) initialises with ``timeout``."""
@@ -182,12 +197,13 @@ class NcclTransport(TransportBackend):
         if dist.is_initialized():
             _abort_process_group()
 
-    def init_process_group(self, store, rank, world_size, generation, timeout=timedelta(minutes=10)):
+    def init_process_group(self, store, rank, world_size, generation, timeout=timedelta(minutes=10),
+                           connect_timeout=None):
         import torch
 
         self.check_available()
         torch.cuda.set_device(self.device_for(int(os.environ.get("LOCAL_RANK", "0"))))
-        super().init_process_group(store, rank, world_size, generation, timeout)
+        super().init_process_group(store, rank, world_size, generation, timeout, connect_timeout)
 
 
 @hookimpl

@@ -168,10 +168,11 @@ def final_states(result: RunResult) -> dict[str, dict]:
 
 
 def compare_state(reference: RunResult, faulted: RunResult, nproc: int | None = None,
-                  sharded_optimizer: bool = False) -> dict:
+                  sharded: frozenset[str] | set[str] = frozenset()) -> dict:
     """Final state of every rank of ``faulted`` against the same rank of ``reference`` and against
-    every other rank of ``faulted``. With a sharded optimizer (ZeRO) each rank holds another part of
-    the optimizer state: that part is compared with the same rank of the reference only.
+    every other rank of ``faulted``. The ``sharded`` parts (the optimizer with ZeRO; the parameters and
+    the optimizer with FSDP2/HSDP) are a different shard on each rank: compared with the same rank of
+    the reference only.
 
     Returns ``state_equal`` (False when either run recorded no final state, or not for the same
     ranks, or not for ``nproc`` ranks), the ``state_parts`` compared, and the ``state_differences``
@@ -192,8 +193,15 @@ def compare_state(reference: RunResult, faulted: RunResult, nproc: int | None = 
         for r in ranks:
             diffs += [f"rank {r} {k}: not the reference's" for k in parts if got[r].get(k) != ref[r].get(k)]
             diffs += [f"rank {r} {k}: not rank {first}'s" for k in parts if got[r].get(k) != got[first].get(k)
-                      and not (sharded_optimizer and k == "optimizer")]
+                      and k not in sharded]
     return {"state_equal": not diffs, "state_parts": parts, "state_differences": diffs}
+
+
+def sharded_parts(train_args: Sequence[str]) -> frozenset[str]:
+    """The parts of the state each rank holds a shard of, for the demo job's flags."""
+    if "--fsdp" in train_args or "--hsdp" in train_args:
+        return frozenset({"params", "optimizer"})
+    return frozenset({"optimizer"}) if "--zero" in train_args else frozenset()
 
 
 def step_time(result: RunResult) -> float:
@@ -234,11 +242,13 @@ def run_demo(cfg: DemoConfig) -> dict:
         "data_cache": data,
         "log_dir": root,
     }
-    state = compare_state(reference, faulted, cfg.nproc, sharded_optimizer="--zero" in cfg.train_args)
+    parts = sharded_parts(cfg.train_args)
+    state = compare_state(reference, faulted, cfg.nproc, parts)
     result.update(state)
     result["bitwise_equal"] = verdict["bitwise_equal"] and state["state_equal"]  # every rank: losses and state
     result["final_state"] = {"reference": final_states(reference), "faulted": final_states(faulted)}
-    result["sharded_optimizer"] = "--zero" in cfg.train_args
+    result["sharded_optimizer"] = "optimizer" in parts
+    result["sharded_params"] = "params" in parts
     result["completed"] = reference.returncode == 0 and faulted.returncode == 0
     if not result["completed"]:
         result["error_tail"] = (faulted.output if faulted.returncode else reference.output)[-2000:]
@@ -273,7 +283,8 @@ def _state_row(r: dict) -> str:
     if "state_equal" not in r:  # a result of an older version
         return "-"
     ranks = len(r.get("final_state", {}).get("faulted", {}))
-    parts = [f"{k} (per rank)" if k == "optimizer" and r.get("sharded_optimizer") else k for k in r["state_parts"]]
+    sharded = {k for k, flag in (("optimizer", "sharded_optimizer"), ("params", "sharded_params")) if r.get(flag)}
+    parts = [f"{k} (per rank)" if k in sharded else k for k in r["state_parts"]]
     if r["state_equal"]:
         return f"yes ({ranks} ranks: {', '.join(parts)})"
     shown = r["state_differences"][:3]

@@ -34,6 +34,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--bucket-mb", type=float, default=25.0, help="with --overlap: the buckets' size")
     p.add_argument("--zero", action="store_true",
                    help="shard the optimizer state (torch ZeroRedundancyOptimizer) instead of replicating it")
+    p.add_argument("--fsdp", action="store_true",
+                   help="shard the model with FSDP2 (fully_shard) over every rank, on ctx.device_mesh()")
+    p.add_argument("--hsdp", type=int, default=0, metavar="R",
+                   help="HSDP: R replica groups, the model sharded with FSDP2 within each")
     p.add_argument("--ulp-after-recovery", type=int, default=None, metavar="RANK",
                    help="harness self-test: after the last step, the process holding RANK, if it joined by a "
                         "recovery, moves one weight by one ulp (hp demo must then report the state unequal)")
@@ -67,13 +71,23 @@ def main(ctx) -> None:
     ctx.events.record("data_attached", built=cache.built, open_s=cache.open_s)
     batches = Batches(cache, args.seq, args.batch_size, args.seed)
 
+    # FSDP2/HSDP: the mesh first (a hot spare waits there for its rank: its shards depend on it)
+    mesh = ctx.device_mesh(replicate=max(args.hsdp, 1)) if args.fsdp or args.hsdp else None
     torch.manual_seed(args.seed)
     model = build_model(args.model_size, args.vocab, args.seq, args.dropout)
     def make_scheduler(optimizer):
         return torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=args.steps)
 
     checkpoint = job_checkpoint(args)
-    if args.zero:  # built by hp once the process group exists (a spare has none yet)
+    if mesh is not None:
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in model.blocks.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+        ctx.register(model, optimizer, make_scheduler(optimizer))
+    elif args.zero:  # built by hp once the process group exists (a spare has none yet)
         ctx.register(model, lambda params: ZeroRedundancyOptimizer(params, torch.optim.AdamW, lr=3e-3),
                      make_scheduler, checkpoint=checkpoint)
     else:
@@ -90,7 +104,8 @@ def main(ctx) -> None:
             ctx.commit(loss)
             if step == args.steps - 1 and ctx.rank == args.ulp_after_recovery and replacement:
                 with torch.no_grad():  # after the last commit: only the final state shows it
-                    w = next(model.parameters()).view(-1)
+                    w = next(model.parameters())
+                    w = (w.to_local() if hasattr(w, "to_local") else w).view(-1)
                     w[0] = torch.nextafter(w[0], w[0] + 1)
         if ctx.rank == 0 and ctx.committed == step:
             print(f"step {step:3d} loss {ctx.last_loss:.4f} (generation {ctx.generation})", flush=True)

@@ -29,7 +29,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 
-from hp.checkpointless.demo.run import RunResult, compare_state
+from hp.checkpointless.demo.run import RunResult, compare_state, sharded_parts
 from hp.checkpointless.events import read_events
 
 POLICY = "min_replicas: {min}\nmax_replicas: {max}\nglobal_batch: {global_batch}\nmicro_batch: {micro_batch}\n"
@@ -240,7 +240,7 @@ def run_elastic_demo(cfg: ElasticDemoConfig) -> dict:
     got_losses = {s: {e["loss"] for e in es} for s, es in commits(events).items()}
     worlds = world_by_step(events)
     sequence = [w for i, w in enumerate(worlds[s] for s in sorted(worlds)) if i == 0 or w != worlds[sorted(worlds)[i - 1]]]
-    state = compare_state(reference, elastic, nproc=2 * cfg.nproc_per_node, sharded_optimizer="--zero" in cfg.train_args)
+    state = compare_state(reference, elastic, nproc=2 * cfg.nproc_per_node, sharded=sharded_parts(cfg.train_args))
     loss_equal = ref_losses == got_losses and all(len(v) == 1 for v in got_losses.values())
     changes = scale_events(events)
     regrown = [c for c in changes if c["kind"] == "grow" and "rejoin" in run.marks

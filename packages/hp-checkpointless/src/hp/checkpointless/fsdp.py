@@ -1,0 +1,211 @@
+"""FSDP2 and HSDP state that survives a lost rank: a model sharded with ``fully_shard`` on hp's mesh.
+
+With FSDP2 every rank holds one shard of the parameters and of the optimizer state (DTensors on the
+mesh of :mod:`hp.checkpointless.mesh`); the gradient reduction (reduce-scatter over the shard group,
+and for HSDP an all-reduce over the replicate group) runs inside ``backward()``. The step transaction
+keeps its shape: FSDP's reductions happen before the vote (a failure in one raises out of backward and
+the step is replayed after ``reset_iter_state()``), the optimizer step is local and comes after it.
+
+Where a lost rank's shard comes from, without storage:
+
+* **HSDP** (replicate × shard): every shard exists once per replica group. A replacement copies its
+  shard (parameters and optimizer state, as local tensors) from a rank of its replicate group.
+* **FSDP** (one replica group): each rank sends its buddy (:mod:`hp.checkpointless.replicas`, the
+  mechanism ZeRO-1's shards use) its shard *and the step's reduced gradients of it* after backward and
+  **before the vote**: the vote then covers the copy, and the buddy always holds a shard at most one
+  step old together with what brings it to the next step. A replacement loads that shard and re-runs
+  the optimizer step with those gradients and that step's hyper-parameters (**roll forward**), the
+  same code on the same inputs: the same bits. (ZeRO-1 replicates after the commit and rolls forward
+  with the buddy's own gradients: every ZeRO rank holds all of them, an FSDP rank only its shard's.)
+
+A survivor that missed the vote of the newest step but finished its backward rolls its own shard
+forward the same way. Everything else a replacement lacks (buffers, RNG, scheduler, extras) comes from
+the lowest up-to-date rank, as for ZeRO (:meth:`hp.checkpointless.registry.TrainingState.replicated_part`).
+Which rank sends what is :func:`plan_sources`, pure and the same on every rank.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from hp.checkpointless import state
+from hp.checkpointless.mesh import GenerationMesh, MeshLayout
+from hp.checkpointless.replicas import NO_REPLICA, Replicas, buddy_in, check_ring
+from hp.checkpointless.sharded import ShardLost, hyper, set_hyper
+from hp.core.errors import UsageError
+
+
+def local(obj: Any) -> Any:
+    """``obj`` with every DTensor replaced by its local tensor (a view, not a copy)."""
+    if isinstance(obj, DTensor):
+        return obj.to_local()
+    if isinstance(obj, dict):
+        return {k: local(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(local(v) for v in obj)
+    return obj
+
+
+@dataclass(frozen=True)
+class ShardVersions:
+    """What every rank reports after re-forming (indexed by rank)."""
+
+    shard: list[int]  # step its own shard is at (-1: none, a fresh process)
+    grads: list[int]  # step whose reduced gradients of its shard it holds (-1: none)
+    replica_at: list[int]  # step of the ward's shard it holds (NO_REPLICA: none)
+    replica_grads: list[int]  # step whose gradients came with that copy (-1: none)
+
+
+def plan_sources(v: ShardVersions, newest: int, layout: MeshLayout, ring: Sequence[int] = ()) -> tuple[
+        set[int], dict[int, tuple[int, bool]]]:
+    """Returns (the ranks that roll their own shard forward to ``newest``, {rank: (the rank that sends
+    it its shard, whether it rolls that shard forward)}) for every other rank whose shard is not at
+    ``newest``. Raises :class:`ShardLost` (on every rank alike) when no live peer holds a shard."""
+    world = layout.world
+    ring = check_ring(ring, world)
+    rolls = {r for r in range(world) if v.shard[r] == newest - 1 and v.grads[r] == newest}
+    current = {r for r in range(world) if v.shard[r] == newest} | rolls
+    sources: dict[int, tuple[int, bool]] = {}
+    for r in range(world):
+        if r in current:
+            continue
+        holders = [h for h in layout.holders(r) if h in current]
+        if holders:
+            sources[r] = (min(holders), False)
+            continue
+        if layout.replicas == 1 and world > 1:
+            b = buddy_in(ring, r)
+            if v.shard[b] >= 0 and v.replica_at[b] == newest:
+                sources[r] = (b, False)
+                continue
+            if v.shard[b] >= 0 and v.replica_at[b] == newest - 1 and v.replica_grads[b] == newest:
+                sources[r] = (b, True)
+                continue
+            held = "nothing" if v.shard[b] < 0 or v.replica_at[b] == NO_REPLICA else \
+                f"a copy of step {v.replica_at[b]} with the gradients of step {v.replica_grads[b]}"
+            raise ShardLost(f"the FSDP shard of rank {r} at step {newest} is lost: its buddy rank {b} holds "
+                            f"{held}; no peer can rebuild it (restart the job from a checkpoint)")
+        raise ShardLost(f"the HSDP shard of rank {r} at step {newest} is lost: no rank of its replicate group "
+                        f"{layout.holders(r)} holds it (restart the job from a checkpoint)")
+    return rolls, sources
+
+
+class ShardedModel:
+    """The recovery side of a model sharded with FSDP2 on hp's :class:`GenerationMesh`."""
+
+    def __init__(self, model: torch.nn.Module, mesh: GenerationMesh) -> None:
+        if not hasattr(model, "reset_iter_state"):
+            raise UsageError("hp needs FSDPModule.reset_iter_state() to replay a step of an FSDP2 model: "
+                             f"torch {torch.__version__} has none")
+        self.model, self.mesh = model, mesh
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        strays = [n for n, p in model.named_parameters() if not isinstance(p, DTensor) or not mesh.owns(p.device_mesh)]
+        if strays:
+            raise UsageError(f"with ctx.device_mesh(), shard every parameter on it (fully_shard(module, "
+                             f"mesh=mesh)); not sharded on it: {', '.join(strays[:5])}")
+        self.version = -1  # the step this rank's shard is at (-1: a fresh process, before its first commit)
+        self.ring: tuple[int, ...] = ()  # the replication ring (pure FSDP): the identity until agreed
+        # pure FSDP: the ward's shard, its step, and the step whose reduced gradients came with it
+        self.replicas = Replicas() if mesh.layout.replicas == 1 and mesh.layout.world > 1 else None
+
+    @property
+    def replica_at(self) -> int:
+        held = self.replicas.held if self.replicas is not None else None
+        return NO_REPLICA if held is None else int(held["at"])
+
+    @property
+    def replica_grads(self) -> int:
+        held = self.replicas.held if self.replicas is not None else None
+        return -1 if held is None or held["grads"] is None else int(held["version"])
+
+    # ---- the step ---------------------------------------------------------------------------
+    def reset(self) -> None:
+        """A step failed midway: FSDP forgets its in-flight all-gathers and reductions (torch's own
+        recovery entry point) and re-registers the sharded parameters. torch 2.13's reset keeps the
+        gradients autograd had already accumulated on *unsharded* parameters whose group's post-backward
+        had not run (the root's until the end of backward): the replay would add its own to them (seen:
+        every rank off the reference from the replayed step's update on). They are dropped here, through
+        FSDP's internals: no public API reaches them."""
+        self.model.reset_iter_state()
+        for module in self.model.modules():
+            get_state = getattr(module, "_get_fsdp_state", None)
+            for group in getattr(get_state(), "_fsdp_param_groups", ()) if get_state is not None else ():
+                for fsdp_param in group.fsdp_params:
+                    if hasattr(fsdp_param, "_unsharded_param"):
+                        fsdp_param._unsharded_param.grad = None
+                    fsdp_param.unsharded_accumulated_grad = None
+
+    def clear_grads(self) -> None:
+        """A step (or its replay) starts: FSDP accumulates into existing gradients, so there are none."""
+        for p in self.params:
+            p.grad = None
+
+    def replicate(self, rank: int, optimizer: torch.optim.Optimizer, step: int, grads: bool,
+                  move: Callable[[Callable[[], None]], None]) -> None:
+        """Pure FSDP: this rank's shard (at its committed step) to the buddy, with the reduced gradients
+        of ``step`` and its hyper-parameters when ``grads`` (before the vote); keeps the ward's."""
+        if self.replicas is not None:
+            self.replicas.exchange(check_ring(self.ring, self.mesh.layout.world), rank,
+                                   lambda: self._message(optimizer, step, grads), move)
+
+    def _message(self, optimizer: torch.optim.Optimizer, step: int, grads: bool) -> dict:
+        return {"version": step if grads else self.version, "at": self.version, "shard": self.shard(optimizer),
+                "grads": [local(p.grad) for p in self.params] if grads else None,
+                "hyper": hyper(optimizer.param_groups) if grads else None}
+
+    # ---- shards -----------------------------------------------------------------------------
+    def shard(self, optimizer: torch.optim.Optimizer) -> dict:
+        """This rank's parameters and optimizer state as local tensors (live: a send payload)."""
+        sd = optimizer.state_dict()
+        sharded = {str(i): sorted(k for k, v in s.items() if isinstance(v, DTensor)) for i, s in sd["state"].items()}
+        return {"params": [p.detach().to_local() for p in self.params], "optim": local(sd["state"]), "sharded": sharded}
+
+    def load_shard(self, optimizer: torch.optim.Optimizer, shard: dict, version: int) -> None:
+        """Install a shard received from a peer (its tensors in a buffer of their own: kept as they are)."""
+        values = shard["params"]
+        if len(values) != len(self.params):
+            raise state.StateTransferError(f"shard has {len(values)} parameters, this model {len(self.params)}")
+        with torch.no_grad():
+            for p, src in zip(self.params, values):
+                mine = p.to_local()
+                if mine.shape != src.shape or mine.dtype != src.dtype:
+                    raise state.StateTransferError(f"shard parameter {list(src.shape)} {src.dtype} does not fit "
+                                                   f"{list(mine.shape)} {mine.dtype}")
+                mine.copy_(src)
+        order = [p for g in optimizer.param_groups for p in g["params"]]
+        states = {}
+        for i, entry in shard["optim"].items():
+            if not 0 <= i < len(order):
+                raise state.StateTransferError(f"optimizer state for parameter {i} of {len(order)}")
+            p, dtensors = order[i], set(shard["sharded"].get(str(i), ()))
+            states[i] = {k: self._dtensor(p, v) if k in dtensors else v for k, v in entry.items()}
+        optimizer.load_state_dict({"state": states, "param_groups": optimizer.state_dict()["param_groups"]})
+        self.version = version
+
+    def roll_forward(self, optimizer: torch.optim.Optimizer, step: int, grads: Sequence[torch.Tensor] | None = None,
+                     step_hyper: Sequence[dict] | None = None) -> None:
+        """Re-run step ``step``'s optimizer update of this shard: with this rank's own reduced gradients
+        (still on the parameters), or with ``grads`` (local tensors) and ``step_hyper`` from a replica."""
+        if grads is not None:
+            if len(grads) != len(self.params):
+                raise state.StateTransferError(f"{len(grads)} gradients for {len(self.params)} parameters")
+            for p, g in zip(self.params, grads):
+                p.grad = self._dtensor(p, g.clone())
+        if step_hyper is not None:
+            set_hyper(optimizer.param_groups, step_hyper)
+        optimizer.step()
+        self.clear_grads()
+        self.version = step
+
+    @staticmethod
+    def _dtensor(p: DTensor, value: torch.Tensor) -> DTensor:
+        if value.shape != p.to_local().shape:
+            raise state.StateTransferError(f"a shard tensor of {list(value.shape)} for a parameter whose local "
+                                           f"shard is {list(p.to_local().shape)}")
+        return DTensor.from_local(value, p.device_mesh, p.placements, run_check=False, shape=p.shape,
+                                  stride=p.stride())

@@ -1,0 +1,232 @@
+"""A device mesh whose process groups follow the generations: FSDP2 and HSDP under hp.
+
+FSDP2 (``fully_shard``) and DTensor keep the process groups of the mesh they were given: in each
+FSDP state's mesh info, in every DTensor's spec, in the optimizer's state. A new generation (a spare
+took a dead rank's place) forms new groups, and nothing public re-points all those holders. So the
+mesh hp hands out (:meth:`hp.checkpointless.Context.device_mesh`) is made of :class:`StableGroup` s:
+process group objects that hold no connection themselves and forward every collective to the group
+of the current generation (torchft's reconfigurable groups do the same). Forming a generation binds
+them, one group per mesh dimension, made by the transport among that group's members only
+(:meth:`hp.core.transport.TransportBackend.new_subgroup`); releasing it unbinds them first, so that
+FSDP's references keep nothing of a failed group alive (DESIGN.md: destroying a gloo group frees its
+sockets, and releases the peers blocked on them, only once nothing else holds it).
+
+Every collective passes through ``before(op)`` first: the runtime's point to stop a step whose
+generation is already dead (FSDP's collectives are where a sharded step spends its communication) and
+to fire the fault-injection phase of the gradient reduction.
+
+:class:`MeshLayout` is pure: the mesh's shape and which ranks share a group. torchtitan's layout: a
+rank's coordinates are its row-major index, the last dimension (``shard``) fastest, so a shard group
+is consecutive ranks (a node's, usually) and a replicate group takes one rank of each shard group.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed import distributed_c10d as c10d
+from torch.distributed.device_mesh import DeviceMesh
+
+from hp.checkpointless.sharded import ShardLost
+from hp.core.errors import UsageError
+
+REPLICATE, SHARD = "replicate", "shard"
+
+
+@dataclass(frozen=True)
+class MeshLayout:
+    """The shape of a data-parallel mesh: ``(shard,)`` for FSDP, ``(replicate, shard)`` for HSDP."""
+
+    names: tuple[str, ...]
+    sizes: tuple[int, ...]
+
+    @classmethod
+    def of(cls, world: int, replicate: int = 1, shard: int | None = None) -> MeshLayout:
+        """FSDP over all ranks (``replicate=1``), or HSDP: ``replicate`` groups of ``shard`` ranks."""
+        if isinstance(replicate, bool) or not isinstance(replicate, int) or replicate < 1:
+            raise UsageError(f"replicate must be a positive int, got {replicate!r}")
+        if shard is None:
+            shard = world // replicate
+        if isinstance(shard, bool) or not isinstance(shard, int) or shard < 1 or replicate * shard != world:
+            raise UsageError(f"a mesh of replicate={replicate} x shard={shard} does not cover the job's "
+                             f"{world} ranks")
+        if replicate == 1:
+            return cls((SHARD,), (shard,))
+        return cls((REPLICATE, SHARD), (replicate, shard))
+
+    @property
+    def world(self) -> int:
+        return math.prod(self.sizes)
+
+    @property
+    def replicas(self) -> int:
+        """How many ranks hold each shard (1: plain FSDP, every shard exists once)."""
+        return self.sizes[self.names.index(REPLICATE)] if REPLICATE in self.names else 1
+
+    def coords(self, rank: int) -> tuple[int, ...]:
+        if not 0 <= rank < self.world:
+            raise ValueError(f"rank {rank} is not in a mesh of {self.world} ranks")
+        out = []
+        for size in reversed(self.sizes):
+            rank, c = divmod(rank, size)
+            out.append(c)
+        return tuple(reversed(out))
+
+    def rank_of(self, coords: Sequence[int]) -> int:
+        rank = 0
+        for c, size in zip(coords, self.sizes):
+            rank = rank * size + c
+        return rank
+
+    def group_ranks(self, rank: int, dim: int) -> list[int]:
+        """The ranks in ``rank``'s group along dimension ``dim`` (they differ from it in ``dim`` only)."""
+        coords = list(self.coords(rank))
+        out = []
+        for c in range(self.sizes[dim]):
+            coords[dim] = c
+            out.append(self.rank_of(coords))
+        return out
+
+    def holders(self, rank: int) -> list[int]:
+        """Every rank holding the same shard as ``rank`` (itself included): its replicate group."""
+        return self.group_ranks(rank, self.names.index(REPLICATE)) if REPLICATE in self.names else [rank]
+
+    def grid(self) -> list:
+        """Every rank at its coordinates (nested lists, as ``DeviceMesh`` takes its ``mesh``)."""
+        ranks: Any = list(range(self.world))
+        for size in reversed(self.sizes[1:]):
+            ranks = [ranks[i:i + size] for i in range(0, len(ranks), size)]
+        return ranks
+
+
+def _unbound(group: StableGroup, op: str) -> Any:
+    raise RuntimeError(f"hp: the {group.group_name} group of the last generation was released ({op})")
+
+
+class StableGroup(dist.ProcessGroup):
+    """A process group object that outlives generations: every collective goes to ``inner``, the
+    group of the current generation (raises while unbound). ``rank()`` and ``size()`` are fixed: a
+    generation that replaces a rank keeps the mesh's shape."""
+
+    def __init__(self, rank: int, size: int, name: str, before: Callable[[str], None] | None = None) -> None:
+        super().__init__(rank, size)
+        self._name, self._before = name, before
+        self._inner: dist.ProcessGroup | None = None
+
+    @property
+    def group_name(self) -> str:
+        return self._name
+
+    def getBackendName(self) -> str:  # noqa: N802 (torch's name)
+        return "hp-stable"
+
+    @property
+    def bound(self) -> bool:
+        return self._inner is not None
+
+    def bind(self, inner: dist.ProcessGroup, ranks: Sequence[int]) -> None:
+        """Route to ``inner`` (of ``ranks``, global ranks in group-rank order) from now on, and register
+        this object where torch looks groups up: by name (functional collectives, DTensor) and by object
+        (``get_rank(group)``). Destroying the default group clears both: redone at every formation."""
+        if inner.size() != self.size() or inner.rank() != self.rank():
+            raise ValueError(f"{self._name}: group of rank {inner.rank()}/{inner.size()} for a mesh group "
+                             f"of rank {self.rank()}/{self.size()}")
+        self._inner = inner
+        # torch's bookkeeping of the groups it made: get_rank(group), and get_backend(group), which its
+        # logging calls on the way out of a failed collective (without an entry it raises a ValueError of
+        # its own that hides the collective's error)
+        c10d._world.pg_group_ranks[self] = {g: i for i, g in enumerate(ranks)}
+        c10d._world.pg_map[self] = (dist.get_backend(inner), None)
+        self.register()
+
+    def register(self) -> None:
+        """Where a mesh looks its groups up (by name). Torch has no public registry for a process group it
+        did not create (torchft registers its reconfigurable groups the same way)."""
+        try:
+            if c10d._resolve_process_group(self._name) is self:
+                return
+        except RuntimeError:  # not registered (yet, or no more since the last default group was destroyed)
+            pass
+        c10d._register_process_group(self._name, self)
+
+    def unbind(self) -> None:
+        """Forget the generation's group (before it is destroyed: nothing here may keep it alive)."""
+        self._inner = None
+
+
+
+# every collective of torch.distributed.ProcessGroup, forwarded to the bound group
+FORWARDED = ("allreduce", "allreduce_coalesced", "allgather", "allgather_coalesced", "_allgather_base",
+             "allgather_into_tensor_coalesced", "all_gather_single", "all_gather_single_coalesced",
+             "reduce_scatter", "_reduce_scatter_base", "reduce_scatter_tensor_coalesced", "reduce_scatter_single",
+             "reduce_scatter_single_coalesced", "broadcast", "reduce", "gather", "scatter", "alltoall",
+             "alltoall_base", "all_to_all_single", "barrier", "monitored_barrier", "send", "recv", "recv_anysource")
+
+
+def _forward(op: str) -> Callable[..., Any]:
+    def call(self: StableGroup, *args: Any, **kwargs: Any) -> Any:
+        if self._before is not None:
+            self._before(op)
+        if self._inner is None:
+            return _unbound(self, op)
+        # no local name for the inner group: a failed call's frames (kept by its traceback) must not hold
+        # it, or destroying it would not close its sockets (group.py)
+        return getattr(self._inner, op)(*args, **kwargs)
+
+    call.__name__ = call.__qualname__ = op
+    return call
+
+
+for _op in FORWARDED:
+    setattr(StableGroup, _op, _forward(_op))
+del _op
+
+
+class GenerationMesh:
+    """This rank's :class:`DeviceMesh` over :class:`StableGroup` s, and the binding of those groups to
+    each generation's process groups."""
+
+    def __init__(self, layout: MeshLayout, rank: int, device_type: str,
+                 before: Callable[[str], None] | None = None) -> None:
+        self.layout, self.rank = layout, rank
+        coords = layout.coords(rank)
+        self.groups = [StableGroup(c, size, f"hp-mesh-{name}", before)
+                       for c, size, name in zip(coords, layout.sizes, layout.names)]
+        # what DeviceMesh.from_group does, with this rank given: no default group exists yet (the first
+        # generation forms after the model is sharded on this mesh and registered)
+        mesh = self.device_mesh = DeviceMesh(device_type, torch.tensor(layout.grid(), dtype=torch.int),
+                                             mesh_dim_names=layout.names, _init_backend=False, _rank=rank)
+        mesh._dim_group_names = [g.group_name for g in self.groups]
+        mesh._pg_registry.update({g.group_name: g for g in self.groups})
+        for group in self.groups:  # FSDP asks the mesh for its groups (their rank and size) before any generation
+            group.register()
+
+    def owns(self, mesh: DeviceMesh) -> bool:
+        """Whether ``mesh`` (a DTensor's, say) is this one or a sub-mesh of it."""
+        try:
+            groups = mesh.get_all_groups()
+        except RuntimeError:
+            return False
+        return bool(groups) and all(any(g is mine for mine in self.groups) for g in groups)
+
+    def form(self, transport: Any, world_size: int, timeout: timedelta, connect_timeout: timedelta | None) -> None:
+        """Bind every dimension to a group of the current generation (its default group must exist).
+        Every rank forms its dimensions in the same order, so the members of a group meet."""
+        if world_size != self.layout.world:  # the shards live on a mesh of that shape: no peer holds others
+            raise ShardLost(f"generation of {world_size} ranks for a device mesh of {self.layout.world}: a job "
+                            f"sharded over a mesh cannot change its world size yet")
+        for dim, group in enumerate(self.groups):
+            ranks = self.layout.group_ranks(self.rank, dim)
+            inner = dist.group.WORLD if len(ranks) == world_size else transport.new_subgroup(
+                ranks, timeout=timeout, connect_timeout=connect_timeout)
+            group.bind(inner, ranks)
+
+    def release(self) -> None:
+        for group in self.groups:
+            group.unbind()

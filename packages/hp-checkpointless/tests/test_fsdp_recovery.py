@@ -1,0 +1,113 @@
+"""FSDP2 and HSDP recovered in process, end to end: real `hp run` jobs (4 workers on gloo, the demo GPT
+sharded with `fully_shard` on hp's device mesh), one or two faults each, compared with a fault-free run
+of the same job: every step's losses on every rank, and every rank's final parameters, buffers,
+optimizer and scheduler state, bit for bit."""
+
+from __future__ import annotations
+
+import pytest
+
+from hp.checkpointless.demo.run import DemoConfig, RunResult, compare, compare_state, run_job, sharded_parts
+from hp.core.testing import kill_tagged
+
+STEPS, AT, NPROC = 10, 5, 4
+HSDP, FSDP = ["--hsdp", "2"], ["--fsdp"]
+
+pytestmark = pytest.mark.slow
+
+
+def config(train_args: list[str], **kw) -> DemoConfig:
+    return DemoConfig(corpus_mb=2, steps=STEPS, hang_timeout_s=10.0, nproc=NPROC, train_args=train_args, **kw)
+
+
+@pytest.fixture(scope="module")
+def job_env(tmp_path_factory):
+    root = tmp_path_factory.mktemp("fsdp")
+    env = {"HP_DATA_CACHE_DIR": str(root / "cache"), "HP_TEST_DIR": str(root)}
+    (root / "cache").mkdir()
+    yield env
+    kill_tagged(f"HP_TEST_DIR={root}")
+
+
+@pytest.fixture(scope="module")
+def references(job_env, tmp_path_factory) -> dict[str, RunResult]:
+    out = {}
+    for name, args in (("hsdp", HSDP), ("fsdp", FSDP)):
+        result = run_job(config(args, spares=0), str(tmp_path_factory.mktemp(f"reference-{name}")), [], job_env)
+        assert result.returncode == 0, result.output[-3000:]
+        assert len(result.losses()) == STEPS
+        out[name] = result
+    return out
+
+
+def faulted(tmp_path, job_env, args, faults, spares=1) -> RunResult:
+    result = run_job(config(args, spares=spares), str(tmp_path / "logs"), faults, job_env)
+    assert result.returncode == 0, result.output[-3000:]
+    return result
+
+
+def assert_identical(reference: RunResult, result: RunResult, args: list[str]) -> None:
+    verdict = compare(reference, result)
+    assert verdict == {"bitwise_equal": True, "lost_steps": 0, "steps_compared": STEPS}, (
+        verdict, reference.losses(), result.losses())
+    state = compare_state(reference, result, NPROC, sharded_parts(args))
+    assert state["state_equal"], state["state_differences"]
+
+
+def rebuilt(result: RunResult) -> list[tuple[int, int | None, bool, int]]:
+    return [(e["rank"], e["buddy"], e["rolled_forward"], e["step"]) for e in result.events
+            if e["event"] == "shard_rebuilt"]
+
+
+def kill(rank: int, phase: str, step: int = AT) -> dict:
+    return {"at_step": step, "phase": phase, "kind": "kill", "rank": rank}
+
+
+@pytest.mark.parametrize("phase, rank", [
+    ("forward", 1),  # peers fail in FSDP's all-gathers
+    ("allreduce", 2),  # at its first reduce-scatter: peers fail in FSDP's reductions, inside backward
+    ("optimizer", 1),  # after the vote: the survivors committed the step
+])
+def test_hsdp_shard_comes_back_from_the_replicate_group(references, job_env, tmp_path, phase, rank):
+    result = faulted(tmp_path, job_env, HSDP, [kill(rank, phase)])
+    assert_identical(references["hsdp"], result, HSDP)
+    step = AT if phase == "optimizer" else AT - 1
+    assert rebuilt(result) == [(rank, (rank + 2) % NPROC, False, step)]  # ranks r and r+2 hold the same shard
+
+
+def test_hsdp_survives_the_death_of_the_source_during_hydration(references, job_env, tmp_path):
+    """Rank 0 (the source of the replicated state, and of nothing else) dies while rank 1's replacement
+    is hydrated: its own shard is still held by rank 2."""
+    result = faulted(tmp_path, job_env, HSDP, [kill(1, "forward"), kill(0, "hydration", AT - 1)], spares=2)
+    assert_identical(references["hsdp"], result, HSDP)
+    assert {r for r, *_ in rebuilt(result)} == {0, 1}
+
+
+def test_hsdp_shard_lost_with_its_replicate_group_stops_the_job_naming_it(job_env, tmp_path):
+    result = run_job(config(HSDP, spares=2), str(tmp_path / "logs"), [kill(1, "forward"), kill(3, "forward")], job_env)
+    assert result.returncode != 0
+    assert "HSDP shard of rank 1 at step 4 is lost: no rank of its replicate group [1, 3] holds it" in result.output, \
+        result.output[-3000:]
+
+
+@pytest.mark.parametrize("phase, rank", [
+    ("backward", 2),  # before the vote: the newest step is the one before
+    ("allreduce", 1),
+    ("optimizer", 2),  # after the vote: the survivors committed the step
+])
+def test_fsdp_shard_comes_back_from_the_buddy(references, job_env, tmp_path, phase, rank):
+    """The buddy's copy is always one step behind the step it was made in, with that step's reduced
+    gradients of the shard: the replacement rolls it forward, whether the vote of the failed step passed
+    (the copy of that step) or not (the copy of the step before)."""
+    result = faulted(tmp_path, job_env, FSDP, [kill(rank, phase)])
+    assert_identical(references["fsdp"], result, FSDP)
+    step = AT if phase == "optimizer" else AT - 1
+    assert rebuilt(result) == [(rank, (rank + 1) % NPROC, True, step)]
+
+
+def test_fsdp_survives_a_second_failure_during_hydration(references, job_env, tmp_path):
+    """Rank 3 dies while rank 1's replacement is hydrated: its shard is still at its buddy (rank 0), and
+    rank 1's buddy keeps its copy until a transfer completes."""
+    result = faulted(tmp_path, job_env, FSDP, [kill(1, "forward"), kill(3, "hydration", AT - 1)], spares=2)
+    assert_identical(references["fsdp"], result, FSDP)
+    assert {r for r, *_ in rebuilt(result)} == {1, 3}
