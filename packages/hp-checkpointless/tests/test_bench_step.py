@@ -14,7 +14,7 @@ HP = [sys.executable, "-m", "hp.core.cli"]
 SMALL = ["--model-size", "tiny", "--vocab", "256", "--steps", "3", "--warmup", "1", "--repeats", "2", "--corpus-mb", "1"]
 
 
-def test_bench_step_json_has_both_modes_and_the_overhead_of_their_medians(tmp_path):
+def test_bench_step_json_has_every_mode_and_the_overheads_of_their_medians(tmp_path):
     out = tmp_path / "step.json"
     done = subprocess.run([*HP, "bench", "step", *SMALL, "--json", "--out", str(out)], capture_output=True, text=True,
                           timeout=600)
@@ -22,16 +22,17 @@ def test_bench_step_json_has_both_modes_and_the_overhead_of_their_medians(tmp_pa
     r = json.loads(done.stdout.strip().splitlines()[-1])
     assert r == json.loads(out.read_text())
     assert r["benchmark"] == "step" and r["world"] == 2 and r["pinned"] is True
-    for mode in ("hp", "hp_overlap", "ddp"):
+    for mode in ("hp", "hp_overlap", "ddp", "fsdp", "hp_fsdp"):
         step, compute, tail = (r[f"{mode}_{w}"] for w in ("step", "compute", "tail"))
         assert step["n"] == 3 * 2 and step["median"] == r[f"{mode}_step_s"] > 0  # 3 steps x 2 jobs
         assert all(0 < c <= s for c, s in zip(compute["values"], step["values"]))
         assert statistics.median(step["values"]) == r[f"{mode}_step_s"]
     assert r["overhead"] == round(r["hp_step_s"] / r["ddp_step_s"] - 1, 4)
     assert r["overlap_overhead"] == round(r["hp_overlap_step_s"] / r["ddp_step_s"] - 1, 4)
-    assert len(r["overhead_by_repeat"]) == len(r["overlap_overhead_by_repeat"]) == 2
-    assert r["fsdp_overhead"] is None and "#16" in r["fsdp_note"]  # not measured, and says why
-    assert "overhead (hp / ddp - 1)" in done.stdout and "overhead (hp_overlap / ddp - 1)" in done.stdout
+    assert r["fsdp_overhead"] == round(r["hp_fsdp_step_s"] / r["fsdp_step_s"] - 1, 4)
+    assert len(r["overhead_by_repeat"]) == len(r["overlap_overhead_by_repeat"]) == len(r["fsdp_overhead_by_repeat"]) == 2
+    for line in ("overhead (hp / ddp - 1)", "overhead (hp_overlap / ddp - 1)", "overhead (hp_fsdp / fsdp - 1)"):
+        assert line in done.stdout
 
 
 @pytest.mark.parametrize("argv, message", [

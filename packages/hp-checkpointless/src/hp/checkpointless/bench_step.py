@@ -10,16 +10,21 @@ job of ``nproc`` ranks started by ``hp run`` (the same launcher for all), every 
 * ``hp``: ``@recoverable`` with ``ctx.register(model, optimizer)`` and ``with step: ... ctx.commit(loss)``:
   hp's flat gradient all-reduce after the backward, the commit vote, the optimizer step, the commit event;
 * ``hp_overlap``: the same with ``reduction=OverlappedMeanReduction()`` (:mod:`hp.checkpointless.overlap`):
-  the all-reduce starts during backward, in buckets of 25 MB as DDP's, the vote after the last one.
+  the all-reduce starts during backward, in buckets of 25 MB as DDP's, the vote after the last one;
+* ``fsdp``: the model sharded with FSDP2 (``fully_shard`` on each transformer layer, then the root) over
+  all ranks on torch's own device mesh, ``backward``, ``optimizer.step``, ``zero_grad``;
+* ``hp_fsdp``: the same sharding on ``ctx.device_mesh()`` under ``@recoverable``: FSDP's reductions in
+  backward, then hp's copy of this rank's shard and its gradients to the buddy rank, the vote, the update
+  (:mod:`hp.checkpointless.fsdp`).
 
-The modes alternate (hp, hp_overlap, ddp, then ddp, hp_overlap, hp, ...) so that none always runs first.
+The modes alternate (in order, then reversed, ...) so that none always runs first.
 Each rank times each step after ``warmup`` (wall clock, from the step's start to the end of its optimizer
 step) and, inside it, ``compute`` (forward and backward: an overlapped all-reduce is in there) and the rest
 (``tail``: for hp the reduction, or what is left of it, vote and update in ``ctx.commit``; for DDP the
 optimizer step and the all-reduce left to wait for). A step's figure is its slowest rank's. ``overhead``
 = median hp step / median DDP step - 1, and per repeat (``overhead_by_repeat``), so its spread shows;
-``overlap_overhead`` the same for ``hp_overlap``. ``fsdp_overhead`` is None: hp does not carry FSDP2 state
-yet (issue #16). Nothing is pickled: settings go to the ranks as JSON, timings come back as JSON.
+``overlap_overhead`` the same for ``hp_overlap``; ``fsdp_overhead`` = median hp_fsdp step / median fsdp step
+- 1. Nothing is pickled: settings go to the ranks as JSON, timings come back as JSON.
 """
 
 from __future__ import annotations
@@ -39,9 +44,11 @@ from typing import Any
 from hp.core.benchmeta import PIN_ENV, BenchRun, spread
 from hp.core.errors import UsageError
 
-MODES = ("hp", "hp_overlap", "ddp")
-# 1: hp and DDP; 2: hp_overlap too (per-step wall time, slowest rank, the modes alternating under one launcher)
-DEFINITION_VERSION = 2
+MODES = ("hp", "hp_overlap", "ddp", "fsdp", "hp_fsdp")
+# 1: hp and DDP; 2: hp_overlap too (per-step wall time, slowest rank, the modes alternating under one launcher);
+# 3: fsdp and hp_fsdp too
+DEFINITION_VERSION = 3
+OVERHEADS = (("hp", "ddp", "overhead"), ("hp_overlap", "ddp", "overlap_overhead"), ("hp_fsdp", "fsdp", "fsdp_overhead"))
 
 
 @dataclass
@@ -92,12 +99,10 @@ def run(cfg: StepBenchConfig, log=lambda m: print(m, file=sys.stderr, flush=True
         for what in ("step", "compute", "tail"):
             result[f"{mode}_{what}"] = spread(v for job in per_mode[mode] for v in job[what])
         result[f"{mode}_step_s"] = result[f"{mode}_step"]["median"]
-    for mode, key in (("hp", "overhead"), ("hp_overlap", "overlap_overhead")):
-        result[key] = round(result[f"{mode}_step_s"] / result["ddp_step_s"] - 1, 4)
+    for mode, base, key in OVERHEADS:
+        result[key] = round(result[f"{mode}_step_s"] / result[f"{base}_step_s"] - 1, 4)
         result[f"{key}_by_repeat"] = [round(statistics.median(h["step"]) / statistics.median(d["step"]) - 1, 4)
-                                      for h, d in zip(per_mode[mode], per_mode["ddp"])]
-    result["fsdp_overhead"] = None
-    result["fsdp_note"] = "hp does not carry FSDP2 state yet (issue #16): no hp+FSDP2 step to time"
+                                      for h, d in zip(per_mode[mode], per_mode[base])]
     return bench.stamp(result)
 
 
@@ -129,10 +134,10 @@ def _worker(mode: str, out: Path, cfg: StepBenchConfig) -> None:
     import torch
 
     torch.set_num_threads(1)
-    if mode == "ddp":
-        _train_ddp(out, cfg)
+    if mode in ("ddp", "fsdp"):
+        _train_plain(out, cfg, fsdp=mode == "fsdp")
     else:
-        _train_hp(out, cfg, overlap=mode == "hp_overlap")
+        _train_hp(out, cfg, overlap=mode == "hp_overlap", fsdp=mode == "hp_fsdp")
 
 
 def _setup(cfg: StepBenchConfig):  # noqa: ANN202
@@ -156,16 +161,26 @@ def _write(out: Path, rank: int, params: int, times: list[tuple[float, float]], 
         "tail": [t[0] - t[1] for t in timed]}))
 
 
-def _train_ddp(out: Path, cfg: StepBenchConfig) -> None:
+def _shard(model, mesh):  # noqa: ANN001, ANN202
+    """FSDP2 as torchtitan applies it: each transformer layer, then the root."""
+    from torch.distributed.fsdp import fully_shard
+
+    for layer in model.blocks.layers:
+        fully_shard(layer, mesh=mesh)
+    return fully_shard(model, mesh=mesh)
+
+
+def _train_plain(out: Path, cfg: StepBenchConfig, fsdp: bool) -> None:
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     batches, model = _setup(cfg)
-    model = DDP(model)
+    model = _shard(model, init_device_mesh("cpu", (world,))) if fsdp else DDP(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4)
     times = []
     for step in range(cfg.warmup + cfg.steps):
@@ -181,7 +196,7 @@ def _train_ddp(out: Path, cfg: StepBenchConfig) -> None:
     dist.destroy_process_group()
 
 
-def _train_hp(out: Path, cfg: StepBenchConfig, overlap: bool) -> None:
+def _train_hp(out: Path, cfg: StepBenchConfig, overlap: bool, fsdp: bool) -> None:
     import torch
     import torch.nn.functional as F
 
@@ -190,7 +205,10 @@ def _train_hp(out: Path, cfg: StepBenchConfig, overlap: bool) -> None:
 
     @recoverable
     def train(ctx) -> None:  # noqa: ANN001
+        mesh = ctx.device_mesh() if fsdp else None
         batches, model = _setup(cfg)
+        if mesh is not None:
+            model = _shard(model, mesh)
         optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4)
         ctx.register(model, optimizer, reduction=OverlappedMeanReduction() if overlap else None)
         times = []
@@ -234,8 +252,8 @@ def format_table(r: dict[str, Any]) -> str:
              f"{'':10}{'step':>26}{'forward+backward':>28}{'after backward':>28}"]
     for mode in MODES:
         lines.append(f"{mode:10}{ms(r[f'{mode}_step']):>26}{ms(r[f'{mode}_compute']):>28}{ms(r[f'{mode}_tail']):>28}")
-    for mode, key in (("hp", "overhead"), ("hp_overlap", "overlap_overhead")):
-        lines.append(f"overhead ({mode} / ddp - 1): {r[key]:+.1%} (per job pair: "
+    for mode, base, key in OVERHEADS:
+        lines.append(f"overhead ({mode} / {base} - 1): {r[key]:+.1%} (per job pair: "
                      f"{', '.join(f'{o:+.1%}' for o in r[f'{key}_by_repeat'])})")
     return "\n".join(lines)
 
