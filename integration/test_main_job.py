@@ -64,3 +64,23 @@ def test_hp_example_recovers_a_killed_rank_with_its_spare(tmp_path):
     assert "spare n0s0" in env_run.stderr and "now holds rank 1" in env_run.stderr
     steps = [line for line in env_run.stdout.splitlines() if line.startswith("[rank0]:step")]
     assert len(steps) == 5 and "[rank0]:done: 5 steps on 4 ranks" in env_run.stdout
+
+
+def test_fsdp_examples_run_and_hp_s_recovers_a_killed_rank(tmp_path):
+    """torchtitan-style HSDP (2 x 2) as plain FSDP2, and the same training under hp with a rank killed in
+    its gradient reduction (bit-equality with a fault-free run: test_fsdp_recovery.py)."""
+    plain = run(["run", "--nproc-per-node", "4", "examples/train_fsdp.py", "--steps", "4", "--replicate", "2"],
+                tmp_path)
+    assert plain.returncode == 0, plain.stdout[-3000:] + plain.stderr[-3000:]
+    kill = json.dumps([{"at_step": 2, "phase": "allreduce", "kind": "kill", "rank": 1}])
+    hp = subprocess.run(
+        [*HP, "run", "--nproc-per-node", "4", "--spares", "1", "examples/train_fsdp_hp.py", "--steps", "4",
+         "--replicate", "2"],
+        cwd=ROOT, env={**os.environ, "HP_DATA_CACHE_DIR": str(tmp_path), "HP_FAULTS": kill},
+        capture_output=True, text=True, timeout=300)
+    assert hp.returncode == 0, hp.stdout[-3000:] + hp.stderr[-3000:]
+    assert "spare n0s0" in hp.stderr and "now holds rank 1" in hp.stderr
+
+    for out in (plain.stdout, hp.stdout):
+        assert len([line for line in out.splitlines() if line.startswith("[rank0]:step")]) == 4
+        assert "[rank0]:done: 4 steps on 4 ranks" in out

@@ -67,3 +67,13 @@ def test_a_copy_without_the_gradients_of_the_step_cannot_rebuild_it():
 def test_fsdp_shard_lost_with_its_buddy():
     with pytest.raises(ShardLost, match="FSDP shard of rank 1 at step 7 is lost: its buddy rank 2 holds nothing"):
         plan_sources(versions([7, -1, -1, 7], replica_at=[7, 7, 7, 7], replica_grads=[8] * 4), 7, FSDP)
+
+
+def test_shadows_are_copied_whole_again_unless_every_one_is_at_the_newest_step_or_one_step_from_it():
+    from hp.checkpointless.fsdp import shadows_current
+
+    assert shadows_current(versions([7] * 4, replica_at=[7] * 4), 7)
+    assert shadows_current(versions([7] * 4, replica_at=[7, 6, 7, 7], replica_grads=[-1, 7, -1, -1]), 7)
+    assert not shadows_current(versions([7] * 4, replica_at=[7, 6, 7, 7]), 7)  # one step behind, no gradients
+    assert not shadows_current(versions([7, -1, 7, 7], replica_at=[7, NO_REPLICA, 7, 7]), 7)  # a fresh process
+    assert not shadows_current(versions([-1] * 4), -1)  # job start: NO_REPLICA is not "one step before -1"

@@ -96,13 +96,14 @@ def test_hsdp_shard_lost_with_its_replicate_group_stops_the_job_naming_it(job_en
     ("optimizer", 2),  # after the vote: the survivors committed the step
 ])
 def test_fsdp_shard_comes_back_from_the_buddy(references, job_env, tmp_path, phase, rank):
-    """The buddy's copy is always one step behind the step it was made in, with that step's reduced
-    gradients of the shard: the replacement rolls it forward, whether the vote of the failed step passed
-    (the copy of that step) or not (the copy of the step before)."""
+    """The buddy's shadow of the lost shard is at the committed step: the buddy re-ran the ward's update
+    with the gradients the ward sent before the vote, whether that vote was the failed step's (after
+    the vote) or the one before (a failure before it). (A buddy that missed the vote rolls forward: the
+    plan's unit tests.)"""
     result = faulted(tmp_path, job_env, FSDP, [kill(rank, phase)])
     assert_identical(references["fsdp"], result, FSDP)
     step = AT if phase == "optimizer" else AT - 1
-    assert rebuilt(result) == [(rank, (rank + 1) % NPROC, True, step)]
+    assert rebuilt(result) == [(rank, (rank + 1) % NPROC, False, step)]
 
 
 def test_fsdp_survives_a_second_failure_during_hydration(references, job_env, tmp_path):

@@ -223,7 +223,7 @@ class Formation:
         before, held_ring = (-1, -1), ()
         if sh is not None and sh.version >= 0:
             before, held_ring = sh.partition, sh.held_ring
-        elif fs is not None and fs.version >= 0 and fs.replicas is not None:
+        elif fs is not None and fs.version >= 0 and fs.buddies:
             before, held_ring = (self.rank, fs.mesh.layout.world), fs.ring or replicas.identity(fs.mesh.layout.world)
         if sh is not None:
             sh.rebind(self.rank, plan.world_size)
@@ -269,7 +269,7 @@ class Formation:
         same = previous_world == plan.world_size and not agreement.resharding(plan.world_size)
         if sh is not None:
             sh.set_ring(ring if same else replicas.node_ring(info[6].tolist()))
-        elif fs is not None and fs.replicas is not None:
+        elif fs is not None and fs.buddies:
             fs.ring = ring if same else replicas.node_ring(info[6].tolist())
         if agreement.behind:
             self._fire(newest, "hydration")

@@ -10,18 +10,21 @@ Where a lost rank's shard comes from, without storage:
 
 * **HSDP** (replicate × shard): every shard exists once per replica group. A replacement copies its
   shard (parameters and optimizer state, as local tensors) from a rank of its replicate group.
-* **FSDP** (one replica group): each rank sends its buddy (:mod:`hp.checkpointless.replicas`, the
-  mechanism ZeRO-1's shards use) its shard *and the step's reduced gradients of it* after backward and
-  **before the vote**: the vote then covers the copy, and the buddy always holds a shard at most one
-  step old together with what brings it to the next step. A replacement loads that shard and re-runs
-  the optimizer step with those gradients and that step's hyper-parameters (**roll forward**), the
-  same code on the same inputs: the same bits. (ZeRO-1 replicates after the commit and rolls forward
-  with the buddy's own gradients: every ZeRO rank holds all of them, an FSDP rank only its shard's.)
+* **FSDP** (one replica group): each rank's buddy (the next rank of a ring, :mod:`hp.checkpointless.replicas`,
+  the mechanism ZeRO-1's shards use) keeps a **shadow** of its shard (:mod:`hp.checkpointless.shadow`):
+  a whole copy after a formation, then, every step, the ward's reduced gradients of its shard, sent
+  after backward and **before the vote** (the vote covers them), which the buddy applies to the shadow
+  with the ward's optimizer once the step is committed. A replacement loads the shadow's shard, rolled
+  forward with the pending gradients and that step's hyper-parameters when the buddy had not applied
+  them (it missed the vote): the same optimizer code on the same inputs, the same bits. (ZeRO-1 copies
+  the whole shard after the commit and rolls forward with the buddy's own gradients: every ZeRO rank
+  holds all of them, an FSDP rank only its shard's.)
 
 A survivor that missed the vote of the newest step but finished its backward rolls its own shard
 forward the same way. Everything else a replacement lacks (buffers, RNG, scheduler, extras) comes from
 the lowest up-to-date rank, as for ZeRO (:meth:`hp.checkpointless.registry.TrainingState.replicated_part`).
-Which rank sends what is :func:`plan_sources`, pure and the same on every rank.
+Which rank sends what is :func:`plan_sources`, pure and the same on every rank; whether the shadows
+must be copied whole again, :func:`shadows_current`.
 """
 
 from __future__ import annotations
@@ -35,7 +38,8 @@ from torch.distributed.tensor import DTensor
 
 from hp.checkpointless import state
 from hp.checkpointless.mesh import GenerationMesh, MeshLayout
-from hp.checkpointless.replicas import NO_REPLICA, Replicas, buddy_in, check_ring
+from hp.checkpointless.replicas import NO_REPLICA, Replicas, buddy_in, check_ring, ring_exchange
+from hp.checkpointless.shadow import Shadow
 from hp.checkpointless.sharded import ShardLost, hyper, set_hyper
 from hp.core.errors import UsageError
 
@@ -83,7 +87,7 @@ def plan_sources(v: ShardVersions, newest: int, layout: MeshLayout, ring: Sequen
             if v.shard[b] >= 0 and v.replica_at[b] == newest:
                 sources[r] = (b, False)
                 continue
-            if v.shard[b] >= 0 and v.replica_at[b] == newest - 1 and v.replica_grads[b] == newest:
+            if v.shard[b] >= 0 and v.replica_at[b] == newest - 1 != NO_REPLICA and v.replica_grads[b] == newest:
                 sources[r] = (b, True)
                 continue
             held = "nothing" if v.shard[b] < 0 or v.replica_at[b] == NO_REPLICA else \
@@ -93,6 +97,12 @@ def plan_sources(v: ShardVersions, newest: int, layout: MeshLayout, ring: Sequen
         raise ShardLost(f"the HSDP shard of rank {r} at step {newest} is lost: no rank of its replicate group "
                         f"{layout.holders(r)} holds it (restart the job from a checkpoint)")
     return rolls, sources
+
+
+def shadows_current(v: ShardVersions, newest: int) -> bool:
+    """Pure FSDP: whether every rank's shadow of its ward is at ``newest`` or can be brought there."""
+    return all(at != NO_REPLICA and (at == newest or (at == newest - 1 and g == newest))
+               for at, g in zip(v.replica_at, v.replica_grads))
 
 
 class ShardedModel:
@@ -110,18 +120,29 @@ class ShardedModel:
                              f"mesh=mesh)); not sharded on it: {', '.join(strays[:5])}")
         self.version = -1  # the step this rank's shard is at (-1: a fresh process, before its first commit)
         self.ring: tuple[int, ...] = ()  # the replication ring (pure FSDP): the identity until agreed
-        # pure FSDP: the ward's shard, its step, and the step whose reduced gradients came with it
-        self.replicas = Replicas() if mesh.layout.replicas == 1 and mesh.layout.world > 1 else None
+        pure = mesh.layout.replicas == 1 and mesh.layout.world > 1
+        self.grads_in = Replicas() if pure else None  # pure FSDP: the ward's reduced gradients of the last step
+        self.shadow: Shadow | None = None  # pure FSDP: the ward's shard, kept at the committed step
+
+    @property
+    def buddies(self) -> bool:
+        """Pure FSDP over several ranks: each shard's only other copy is its buddy's shadow."""
+        return self.grads_in is not None
 
     @property
     def replica_at(self) -> int:
-        held = self.replicas.held if self.replicas is not None else None
-        return NO_REPLICA if held is None else int(held["at"])
+        return NO_REPLICA if self.shadow is None else self.shadow.at
 
     @property
     def replica_grads(self) -> int:
-        held = self.replicas.held if self.replicas is not None else None
-        return -1 if held is None or held["grads"] is None else int(held["version"])
+        pending = self._pending()
+        return -1 if pending is None else int(pending["version"])
+
+    def _pending(self) -> dict | None:
+        """The ward's gradients of the step after the shadow's (that step not re-run on it yet)."""
+        held = self.grads_in.held if self.grads_in is not None else None
+        return held if held is not None and self.shadow is not None and int(held["version"]) == self.shadow.at + 1 \
+            else None
 
     # ---- the step ---------------------------------------------------------------------------
     def reset(self) -> None:
@@ -145,25 +166,53 @@ class ShardedModel:
         for p in self.params:
             p.grad = None
 
-    def replicate(self, rank: int, optimizer: torch.optim.Optimizer, step: int, grads: bool,
-                  move: Callable[[Callable[[], None]], None]) -> None:
-        """Pure FSDP: this rank's shard (at its committed step) to the buddy, with the reduced gradients
-        of ``step`` and its hyper-parameters when ``grads`` (before the vote); keeps the ward's."""
-        if self.replicas is not None:
-            self.replicas.exchange(check_ring(self.ring, self.mesh.layout.world), rank,
-                                   lambda: self._message(optimizer, step, grads), move)
+    def send_gradients(self, rank: int, optimizer: torch.optim.Optimizer, step: int,
+                       move: Callable[[Callable[[], None]], None]) -> None:
+        """Pure FSDP, before the vote: this rank's reduced gradients of ``step`` and the step's
+        hyper-parameters to its buddy; keeps its ward's."""
+        if self.grads_in is not None:
+            self.grads_in.exchange(self._ring(), rank, lambda: {
+                "version": step, "grads": [local(p.grad) for p in self.params], "hyper": hyper(optimizer.param_groups)},
+                move)
 
-    def _message(self, optimizer: torch.optim.Optimizer, step: int, grads: bool) -> dict:
-        return {"version": step if grads else self.version, "at": self.version, "shard": self.shard(optimizer),
-                "grads": [local(p.grad) for p in self.params] if grads else None,
-                "hyper": hyper(optimizer.param_groups) if grads else None}
+    def advance_shadow(self, step: int) -> None:
+        """Step ``step`` is committed: re-run the ward's update of it on the shadow (local)."""
+        pending = self._pending()
+        if pending is not None and int(pending["version"]) == step:
+            self.shadow.advance(step, pending["grads"], pending["hyper"])
+
+    def sync(self, rank: int, optimizer: torch.optim.Optimizer, move: Callable[[Callable[[], None]], None]) -> None:
+        """Pure FSDP: this rank's whole shard to its buddy, which makes a new shadow of it; keeps its
+        ward's (after a formation that changed who holds what)."""
+        if self.grads_in is None:
+            return
+        message = {"at": self.version, "shard": self.shard(optimizer), "hyper": hyper(optimizer.param_groups)}
+
+        def receive(ward: int) -> None:
+            self.shadow = Shadow(state.recv_state(ward), type(optimizer))  # a fresh buffer: the shadow keeps it
+            self.grads_in.drop()
+
+        ring_exchange(self._ring(), rank, lambda buddy: state.send_state(message, buddy), receive, move)
+
+    def copy_for_replacement(self, optimizer: torch.optim.Optimizer, newest: int) -> dict:
+        """What this rank sends a replacement of a rank holding its shard (HSDP), or of its ward (FSDP)."""
+        if self.shadow is None:
+            return {"at": newest, "shard": self.shard(optimizer), "grads": None, "hyper": None}
+        return self.shadow.message(self._pending())
+
+    def _ring(self) -> tuple[int, ...]:
+        return check_ring(self.ring, self.mesh.layout.world)
 
     # ---- shards -----------------------------------------------------------------------------
     def shard(self, optimizer: torch.optim.Optimizer) -> dict:
-        """This rank's parameters and optimizer state as local tensors (live: a send payload)."""
+        """This rank's parameters and optimizer state as local tensors (live: a send payload), with which
+        the optimizer's order of the parameters
+        (``order[i]``: the index in :attr:`params` of its i-th; ``sizes``: its groups' lengths)."""
         sd = optimizer.state_dict()
-        sharded = {str(i): sorted(k for k, v in s.items() if isinstance(v, DTensor)) for i, s in sd["state"].items()}
-        return {"params": [p.detach().to_local() for p in self.params], "optim": local(sd["state"]), "sharded": sharded}
+        position = {id(p): j for j, p in enumerate(self.params)}
+        order = [position[id(p)] for g in optimizer.param_groups for p in g["params"]]
+        return {"params": [p.detach().to_local() for p in self.params], "optim": local(sd["state"]),
+                "order": order, "sizes": [len(g["params"]) for g in optimizer.param_groups]}
 
     def load_shard(self, optimizer: torch.optim.Optimizer, shard: dict, version: int) -> None:
         """Install a shard received from a peer (its tensors in a buffer of their own: kept as they are)."""
@@ -182,8 +231,11 @@ class ShardedModel:
         for i, entry in shard["optim"].items():
             if not 0 <= i < len(order):
                 raise state.StateTransferError(f"optimizer state for parameter {i} of {len(order)}")
-            p, dtensors = order[i], set(shard["sharded"].get(str(i), ()))
-            states[i] = {k: self._dtensor(p, v) if k in dtensors else v for k, v in entry.items()}
+            # a state shaped like the parameter's shard is one (a DTensor, as torch's optimizers make it:
+            # zeros_like(param)); anything else (Adam's step count) is the parameter's own
+            p, shape = order[i], order[i].to_local().shape
+            states[i] = {k: self._dtensor(p, v) if isinstance(v, torch.Tensor) and v.dim() and v.shape == shape else v
+                         for k, v in entry.items()}
         optimizer.load_state_dict({"state": states, "param_groups": optimizer.state_dict()["param_groups"]})
         self.version = version
 

@@ -89,8 +89,9 @@ def sharded_optimizer(st: TrainingState, tx: StepTransaction, a: Agreement, rank
 
 def fsdp_shards(st: TrainingState, a: Agreement, rank: int, collective: Callable, events: EventLog) -> None:
     """An FSDP2 model: ranks that missed the vote roll their own shard forward, a replacement gets its
-    shard from a rank holding the same one (HSDP) or from its buddy's copy, rolled forward (FSDP); the
-    replicated rest from the source; then (pure FSDP) every rank copies its shard to its buddy again."""
+    shard from a rank holding the same one (HSDP) or from its buddy's shadow, rolled forward when one step
+    behind (FSDP); the replicated rest from the source; then (pure FSDP) shadows that fell behind catch up,
+    or every rank's shard is copied whole to its buddy again when any shadow is missing or stale."""
     fs, optimizer = st.fsdp, st.optimizer
     v = fsdp.ShardVersions(a.versions.shard, a.versions.grads, a.versions.replica, list(a.replica_grads))
     rolls, sources = fsdp.plan_sources(v, a.newest, fs.mesh.layout, fs.ring)  # ShardLost: on every rank alike
@@ -100,17 +101,14 @@ def fsdp_shards(st: TrainingState, a: Agreement, rank: int, collective: Callable
                       generation=a.generation)
     for r, (src, roll) in sorted(sources.items()):
         if rank == src:
-            # pure FSDP: the buddy's copy of the shard (with what rolls it forward); HSDP: its own shard
-            copy = fs.replicas.held if fs.replicas is not None else \
-                {"at": a.newest, "shard": fs.shard(optimizer), "grads": None, "hyper": None}
-            state.send_state(copy, r)
+            state.send_state(fs.copy_for_replacement(optimizer, a.newest), r)
         elif rank == r:
             message = state.recv_state(src)  # a fresh buffer: the optimizer keeps its tensors
             fs.load_shard(optimizer, message["shard"], int(message["at"]))
-            if roll:
-                if message["grads"] is None:
+            if int(message["at"]) != a.newest:
+                if message["grads"] is None or int(message["at"]) != a.newest - 1:
                     raise state.StateTransferError(f"rank {src} sent a shard of step {message['at']} without "
-                                                   f"the gradients that bring it to step {a.newest}")
+                                                   f"what brings it to step {a.newest}")
                 fs.roll_forward(optimizer, a.newest, message["grads"], message["hyper"])
             events.record(Event.SHARD_REBUILT, rank=r, step=a.newest, buddy=src, rolled_forward=roll,
                           generation=a.generation)
@@ -120,8 +118,9 @@ def fsdp_shards(st: TrainingState, a: Agreement, rank: int, collective: Callable
         elif rank == r:
             st.load_replicated_part(state.recv_state(a.source))
             _hydrated(st, a, rank, events)
-    if rolls or sources:  # the buddies' copies of the hydrated shards, and the hydrated ranks' of their wards
-        fs.replicate(rank, optimizer, a.newest, False, collective)
+    fs.advance_shadow(a.newest)  # a buddy that missed the vote of `newest` re-runs its ward's update now
+    if rolls or sources or not fsdp.shadows_current(v, a.newest):
+        fs.sync(rank, optimizer, collective)
 
 
 def _rebuild_shards(sh: sharded.ShardedOptimizer, tx: StepTransaction, a: Agreement, rank: int,

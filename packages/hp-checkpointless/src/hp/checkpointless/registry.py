@@ -96,8 +96,9 @@ class TrainingState:
     def mark_committed(self, step: int) -> None:
         """``step`` is committed: what a later failed step rolls back to is taken now."""
         self.committed, self.rng = step, capture_rng()
-        if self.fsdp is not None:
-            self.fsdp.version = step  # an FSDP rank's own shard is at its committed step
+        if self.fsdp is not None:  # an FSDP rank's own shard is at its committed step, and so is its ward's shadow
+            self.fsdp.version = step
+            self.fsdp.advance_shadow(step)
         if self._snapshot is not None:
             self._snapshot.pack(self.buffers)
 

@@ -53,6 +53,20 @@ def check_ring(ring: Sequence[int], world: int) -> tuple[int, ...]:
     return ring
 
 
+def ring_exchange(ring: Sequence[int], rank: int, send: Callable[[int], None], receive: Callable[[int], None],
+                  move: Callable[[Callable[[], None]], None]) -> None:
+    """Every rank sends to its buddy (``send(buddy)``) and receives from its ward (``receive(ward)``), each
+    transfer run by ``move``. Even positions in the ring send first, odd ones receive first: no cycle of
+    blocked sends for any ring length (an odd one ends with two senders in a row: the last sends to
+    position 0, which receives once its own send is done)."""
+    if len(ring) < 2:
+        return
+    buddy, ward = buddy_in(ring, rank), ward_in(ring, rank)
+    ops = (lambda: send(buddy), lambda: receive(ward))
+    for op in (ops if ring.index(rank) % 2 == 0 else ops[::-1]):
+        move(op)
+
+
 class Replicas:
     """What a rank holds of its ward's shard, refreshed by a ring exchange: each rank sends its own
     shard to its buddy (the next rank in the ring) and keeps the one its ward (the previous one) sends,
@@ -70,15 +84,7 @@ class Replicas:
                  move: Callable[[Callable[[], None]], None]) -> None:
         """Send ``own()`` to the buddy, keep the ward's. ``move`` runs one transfer (it turns transport
         errors into the runtime's collective errors)."""
-        if len(ring) < 2:
-            return
-        send = lambda: state.send_state(own(), buddy_in(ring, rank))  # noqa: E731
-        recv = lambda: self._receive(ward_in(ring, rank))  # noqa: E731
-        # even positions in the ring send first, odd ones receive first: no cycle of blocked sends for
-        # any ring length (an odd one ends with two senders in a row: the last sends to position 0,
-        # which receives once its own send is done)
-        for op in ((send, recv) if ring.index(rank) % 2 == 0 else (recv, send)):
-            move(op)
+        ring_exchange(ring, rank, lambda buddy: state.send_state(own(), buddy), self._receive, move)
 
     def _receive(self, ward: int) -> None:
         spare = self._buffers[1 - self._active]

@@ -9,8 +9,8 @@ every rank in the same phase. With a registered ``torch.amp.GradScaler`` the ave
 unscaled, and whether they hold an inf/NaN travels in the vote, so every rank skips the same steps.
 
 With a model sharded by FSDP2 (:mod:`hp.checkpointless.fsdp`) FSDP reduces the gradients itself,
-inside backward; ``reduce`` then only marks them reduced, copies this rank's shard and its gradients
-to its buddy (pure FSDP) and broadcasts the buffers: the vote still decides.
+inside backward; ``reduce`` then only marks them reduced, sends this rank's gradients of its shard to
+its buddy (pure FSDP: :mod:`hp.checkpointless.shadow`) and broadcasts the buffers: the vote still decides.
 
 A step may be split in ``M`` micro-batches (:meth:`StepTransaction.split`): the mean is then over the M
 micro-batches, whichever ranks computed them, and the vote carries one loss per micro-batch, summed in
@@ -95,7 +95,7 @@ class StepTransaction:
         """Average gradients (and with a scaler unscale them), broadcast rank 0's buffers."""
         if self._st.fsdp is not None:
             self.grads_step = step  # FSDP reduced them during backward
-            self._st.fsdp.replicate(dist.get_rank(), self._st.optimizer, step, True, self._collective)
+            self._st.fsdp.send_gradients(dist.get_rank(), self._st.optimizer, step, self._collective)
             if self._st.broadcast_buffers and world_size > 1:
                 self._broadcast_buffers()
             return
