@@ -201,6 +201,19 @@ def _add_step(bench: argparse._SubParsersAction) -> None:
     p.set_defaults(handler=bench_step.run_cli)
 
 
+def _add_hydrate(bench: argparse._SubParsersAction) -> None:
+    """``hp bench hydrate``: hp-checkpointless's bench (its arguments are its own)."""
+    p = bench.add_parser("hydrate", help="a hot spare's hydration on one node (shared memory, and over gloo) "
+                                         "against a memcpy of the same bytes")
+    try:
+        from hp.checkpointless import bench_hydrate  # no torch at import: the CLI loads every plugin
+    except ImportError as e:
+        p.set_defaults(handler=lambda args, e=e: _missing("hp bench hydrate", "hp-checkpointless", e))
+        return
+    bench_hydrate.add_arguments(p)
+    p.set_defaults(handler=bench_hydrate.run_cli)
+
+
 def _all(args: argparse.Namespace) -> int:
     from hp.chaos import bench_all
 
@@ -331,6 +344,7 @@ def hp_cli_commands(subparsers: argparse._SubParsersAction) -> None:
     _add_elastic(bench)
     _add_exact(bench)
     _add_step(bench)
+    _add_hydrate(bench)
     _add_all(bench)
     _add_chaos(subparsers)
     importlib.import_module("hp.chaos.goodput_cli").add_goodput(subparsers)  # hp goodput simulate

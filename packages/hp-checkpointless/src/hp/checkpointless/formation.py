@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
-from hp.checkpointless import hydration, ladder, membership, replicas, sharded, state
+from hp.checkpointless import hydration, ladder, membership, replicas, sharded, shm, state
 from hp.checkpointless.events import EventLog
 from hp.checkpointless.group import GroupLink
 from hp.checkpointless.recovery import CollectiveError, JobEnded, RecoveryMachine
@@ -107,8 +107,13 @@ class Formation:
         # 1/64 of headroom, rounded to 64 bytes: the optimizer keeps views into these bytes, and torch.save
         # of a float view into a storage whose size is no multiple of the element size cannot be loaded
         size = -(-(nbytes + (nbytes >> 6)) // 64) * 64
-        st.receive_buffer = state.StateBuffer(None, torch.zeros(size, dtype=torch.uint8))
-        self._events.record(Event.RECEIVE_BUFFER_READY, nbytes=nbytes)
+        try:  # shared with the node: a source on it packs the state straight into it (hp.checkpointless.shm)
+            st.receive_shared = shm.SharedBuffer.create(size)
+            data = st.receive_shared.tensor
+        except OSError:
+            data = torch.zeros(size, dtype=torch.uint8)
+        st.receive_buffer = state.StateBuffer(None, data)
+        self._events.record(Event.RECEIVE_BUFFER_READY, nbytes=nbytes, shared=st.receive_shared is not None)
 
     def publish_state_size(self, st: TrainingState) -> None:
         """Rank 0, once: the size of a full hydration, so that spares pre-fault a receive buffer of it."""
@@ -264,7 +269,8 @@ class Formation:
             plan.generation, newest, source=source,
             behind=[r for r in range(plan.world_size) if info[0, r] < newest or info[9, r] != info[9, source]],
             versions=sharded.Versions(*info[:4].tolist()), previous_world=previous_world,
-            previous_ranks=tuple(info[4].tolist()), ring=ring, replica_grads=tuple(info[10].tolist()))
+            previous_ranks=tuple(info[4].tolist()), ring=ring, replica_grads=tuple(info[10].tolist()),
+            nodes=tuple(info[6].tolist()))
         # the same partitioning keeps its ring; a new one gets a ring across nodes
         same = previous_world == plan.world_size and not agreement.resharding(plan.world_size)
         if sh is not None:

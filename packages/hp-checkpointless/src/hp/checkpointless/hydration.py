@@ -1,6 +1,7 @@
 """Hydration after a re-form: the ranks behind the newest committed step get the state they lack.
 
-Replicated state (DDP-style): every up-to-date rank holds all of it, the lowest one sends it whole.
+Replicated state (DDP-style): every up-to-date rank holds all of it, the lowest one sends it whole (a
+receiver on its node gets it packed straight into its memory: :mod:`hp.checkpointless.shm`).
 Sharded optimizer state (:mod:`hp.checkpointless.sharded`): each missing shard comes from the owner's
 buddy (the next rank in the ring its replicas were made with) (rolled forward when one step old), the replicated rest (buffers, LR schedule, RNG, extras)
 from the lowest up-to-date rank, each partition's parameters from its owner; then shards are
@@ -12,10 +13,11 @@ transfer is one checksummed flat buffer (:mod:`hp.checkpointless.state`).
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from hp.checkpointless import fsdp, reshard, sharded, state
+from hp.checkpointless import fsdp, reshard, sharded, shm, state
 from hp.checkpointless.events import EventLog
 from hp.checkpointless.registry import TrainingState
 from hp.checkpointless.transaction import StepTransaction
@@ -40,6 +42,10 @@ class Agreement:
     ring: tuple[int, ...] = ()
     # an FSDP model's: per rank, the step of the gradients that came with its copy of its ward's shard
     replica_grads: tuple[int, ...] = ()
+    nodes: tuple[int, ...] = ()  # each rank's node (a source packs a hydration into a same-node receiver's memory)
+
+    def same_node(self, a: int, b: int) -> bool:
+        return bool(self.nodes) and self.nodes[a] == self.nodes[b]
 
     def resharding(self, world: int) -> bool:
         """Whether optimizer shards move: another world size, or a survivor with another rank."""
@@ -48,19 +54,47 @@ class Agreement:
 
 
 def replicated(st: TrainingState, a: Agreement, rank: int, events: EventLog) -> None:
-    """Replicated state: the ranks behind pull everything from the source."""
+    """Replicated state: the ranks behind pull everything from the source; one on the source's node
+    offers its shared receive buffer, and the source packs the state straight into it (:mod:`hp.checkpointless.shm`)."""
     for r in a.behind:
         if rank == a.source:
-            state.send_state(st.capture(), r)
+            captured = st.capture()
+            target = _attach_offer(r, captured) if a.same_node(a.source, r) else None
+            try:
+                state.send_state(captured, r, in_place=None if target is None else target.tensor)
+            finally:
+                if target is not None:
+                    target.close()
         elif rank == r:
             # in place into our own tensors when the layouts match; a fresh process's optimizer
             # has no state yet, so it receives into a new buffer the optimizer then keeps
             has_state = st.optimizer is None or bool(st.optimizer.state)
-            received = state.recv_state(a.source, template=st.capture() if has_state else None,
-                                        buffer=None if has_state else st.receive_buffer)
+            shared = st.receive_shared if not has_state else None
+            if a.same_node(a.source, r):
+                state.send_tensor(shm.no_offer() if shared is None else shared.offer(), a.source)
+            try:
+                received = state.recv_state(a.source, template=st.capture() if has_state else None,
+                                            buffer=None if has_state else st.receive_buffer)
+            finally:
+                if shared is not None:  # offered once: a retry of this hydration goes over the transport
+                    shared.received()
+                    st.receive_shared = None
             st.receive_buffer = None  # the optimizer now owns those bytes: never receive into them again
             st.restore(received)
             _hydrated(st, a, rank, events)
+
+
+def _attach_offer(receiver: int, captured: dict) -> shm.SharedBuffer | None:
+    """The source's side of a same-node hydration: the receiver's offer, attached when it is one (else the
+    state goes over the transport: a receiver with state of its own, or a buffer this rank cannot use)."""
+    offer = state.recv_tensor(shm.no_offer(), receiver)
+    if not shm.offered(offer):
+        return None
+    try:
+        return shm.SharedBuffer.attach(offer, state.wire_nbytes(captured))
+    except (OSError, ValueError) as e:
+        print(f"hp: hydrating rank {receiver} over the transport: {e}", file=sys.stderr, flush=True)
+        return None
 
 
 def sharded_optimizer(st: TrainingState, tx: StepTransaction, a: Agreement, rank: int,

@@ -59,6 +59,7 @@ class TrainingState:
         # 0 before any group. A hydrated rank takes its source's: the state it received is for that size.
         self.world = 0
         self.receive_buffer: state.StateBuffer | None = None  # a spare's pre-faulted hydration buffer
+        self.receive_shared: Any = None  # its memory, when shared with the node (hp.checkpointless.shm.SharedBuffer)
         self.buffers = [b for _, b in model.named_buffers()]  # every buffer, in module order (read by the transaction)
         self._snapshot = state.StateBuffer(state.flatten(self.buffers)[0]) if self.buffers else None
         self.mark_committed(-1)

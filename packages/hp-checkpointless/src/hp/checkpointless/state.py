@@ -29,10 +29,12 @@ import torch.distributed as dist
 from hp.checkpointless.rng import capture_rng, restore_rng
 
 __all__ = ["DEFAULT_MAX_BYTES", "StateBuffer", "StateTransferError", "broadcast_state", "capture",
-           "checksum", "flatten", "recv_state", "restore", "send_state", "unflatten", "wire_nbytes"]
+           "checksum", "flatten", "recv_state", "recv_tensor", "restore", "send_state", "send_tensor", "unflatten",
+           "wire_nbytes"]
 
 MAGIC = int.from_bytes(b"HPSTATE1", "big")
-VERSION = 1
+VERSION = 2  # 2: the header's CRC covers its flags (IN_PLACE)
+IN_PLACE = 1  # header flag: the buffer is already in the receiver's memory (hp.checkpointless.shm), not on the wire
 ALIGN = 8  # every tensor starts at a multiple of max(ALIGN, itemsize) so dtype views need no copy
 DEFAULT_MAX_BYTES = 64 << 30  # a header announcing more is rejected before anything is allocated
 MAX_JSON_BYTES = 256 << 20  # ~100 bytes per tensor: millions of tensors still fit
@@ -216,22 +218,38 @@ def checksum(buf: torch.Tensor) -> int:
     return zlib.crc32(t.view(torch.uint8).numpy())
 
 
-def _header(json_len: int, buf_len: int, json_crc: int, buf_crc: int) -> torch.Tensor:
-    h = torch.tensor([MAGIC, VERSION, json_len, buf_len, json_crc, buf_crc, 0, 0], dtype=torch.int64)
-    h[6] = zlib.crc32(h[:6].numpy().tobytes())
+def _header(json_len: int, buf_len: int, json_crc: int, buf_crc: int, flags: int = 0) -> torch.Tensor:
+    h = torch.tensor([MAGIC, VERSION, json_len, buf_len, json_crc, buf_crc, 0, flags], dtype=torch.int64)
+    return _seal(h)
+
+
+def _header_crc(h: torch.Tensor) -> int:
+    return zlib.crc32(torch.cat([h[:6], h[7:]]).numpy().tobytes())
+
+
+def _seal(h: torch.Tensor) -> torch.Tensor:
+    h[6] = _header_crc(h)
     return h
 
 
-def _encode(state: Mapping[str, Any], buffer: StateBuffer | None = None) -> list[torch.Tensor]:
-    """The 3 wire messages for `state`: header, JSON skeleton bytes, flat buffer."""
+def _encode(state: Mapping[str, Any], buffer: StateBuffer | None = None,
+            in_place: torch.Tensor | None = None) -> list[torch.Tensor]:
+    """The 3 wire messages for `state`: header, JSON skeleton bytes, flat buffer. With ``in_place`` (the
+    receiver's shared buffer, large enough) the buffer is packed there and only the first 2 are sent."""
     skeleton, tensors = flatten(state)
     payload = json.dumps(skeleton, separators=(",", ":")).encode()
+    meta = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+    if in_place is not None:
+        nbytes = _layout(_tensor_specs(skeleton))[1]
+        if in_place.numel() < nbytes:  # StateBuffer would allocate a buffer of its own: not the receiver's
+            raise StateTransferError(f"the receiver's buffer holds {in_place.numel()} bytes, the state needs {nbytes}")
+        flat = StateBuffer(skeleton, in_place).pack(tensors)
+        return [_header(len(payload), flat.numel(), zlib.crc32(payload), 0, IN_PLACE), meta]
     if buffer is None:
         buffer = StateBuffer(skeleton)
     else:
         buffer.relayout(skeleton)
     flat = buffer.pack(tensors)
-    meta = torch.frombuffer(bytearray(payload), dtype=torch.uint8)
     return [_header(len(payload), flat.numel(), zlib.crc32(payload), checksum(flat)), meta, flat]
 
 
@@ -266,23 +284,27 @@ def _receive(op: Op, peer: int, template: Mapping[str, Any] | None, buffer: Stat
              max_bytes: int) -> dict:
     header = torch.zeros(_HEADER_LEN, dtype=torch.int64)
     _move(op, header, "header", peer)
-    magic, version, json_len, buf_len, json_crc, buf_crc, header_crc, _ = header.tolist()
+    magic, version, json_len, buf_len, json_crc, buf_crc, header_crc, flags = header.tolist()
     if magic != MAGIC:
         raise StateTransferError(f"bad magic {magic:#x} from rank {peer}: not an hp state stream")
     if version != VERSION:
         raise StateTransferError(f"rank {peer} speaks state wire version {version}, this is {VERSION}")
-    if header_crc != zlib.crc32(header[:6].numpy().tobytes()):
+    if header_crc != _header_crc(header):
         raise StateTransferError(f"header checksum mismatch from rank {peer}: header corrupted")
     if not 0 < json_len <= MAX_JSON_BYTES or not 0 < buf_len <= max_bytes:
         raise StateTransferError(f"rank {peer} announced json_len={json_len}, buf_len={buf_len}: exceeds "
                                  f"limit ({MAX_JSON_BYTES}, max_bytes={max_bytes}); refusing to allocate")
+    in_place = flags == IN_PLACE
+    if flags not in (0, IN_PLACE) or (in_place and (buffer is None or buffer.data.numel() < buf_len)):
+        raise StateTransferError(f"rank {peer} sent flags {flags} for {buf_len} bytes: not what this rank offered")
     meta = _alloc(json_len)
     _move(op, meta, "json", peer)
     data = buffer.data if buffer is not None and buffer.data.numel() >= buf_len else _alloc(buf_len)
-    _move(op, data[:buf_len], "buffer", peer)
+    if not in_place:  # in place: the sender packed it into our buffer before sending the header
+        _move(op, data[:buf_len], "buffer", peer)
     if zlib.crc32(meta.numpy()) != json_crc:
         raise StateTransferError(f"JSON skeleton checksum mismatch from rank {peer}: corrupted in transit")
-    if checksum(data[:buf_len]) != buf_crc:
+    if not in_place and checksum(data[:buf_len]) != buf_crc:
         raise StateTransferError(f"buffer checksum mismatch from rank {peer}: corrupted in transit")
     try:
         skeleton = json.loads(meta.numpy().tobytes())
@@ -316,9 +338,23 @@ def _receive(op: Op, peer: int, template: Mapping[str, Any] | None, buffer: Stat
 
 
 def send_state(state: Mapping[str, Any], dst: int, group: Any = None, *,
-               buffer: StateBuffer | None = None) -> None:
-    """Send `state` to rank `dst` in 3 messages; pass a kept `buffer` to avoid re-faulting pages."""
-    _transmit(_encode(state, buffer), lambda t: dist.isend(t, dst, group=group).wait(_timeout(group)), dst)
+               buffer: StateBuffer | None = None, in_place: torch.Tensor | None = None) -> None:
+    """Send `state` to rank `dst` in 3 messages; pass a kept `buffer` to avoid re-faulting pages. With
+    ``in_place`` (the receiver's buffer in shared memory, :mod:`hp.checkpointless.shm`; it must hold
+    :func:`wire_nbytes` of the state) the flat buffer is packed there and 2 messages are sent."""
+    frames = _encode(state, buffer, in_place)
+    _transmit(frames, lambda t: dist.isend(t, dst, group=group).wait(_timeout(group)), dst)
+
+
+def send_tensor(t: torch.Tensor, dst: int, group: Any = None) -> None:
+    """One small fixed-size message (an offer, a flag) to rank ``dst``, waited on with the group's timeout."""
+    _move(lambda x: dist.isend(x, dst, group=group).wait(_timeout(group)), t, "message", dst)
+
+
+def recv_tensor(t: torch.Tensor, src: int, group: Any = None) -> torch.Tensor:
+    """Receive into ``t`` what :func:`send_tensor` sent; returns ``t``."""
+    _move(lambda x: dist.irecv(x, src, group=group).wait(_timeout(group)), t, "message", src)
+    return t
 
 
 def recv_state(src: int, template: Mapping[str, Any] | None = None, group: Any = None, *,

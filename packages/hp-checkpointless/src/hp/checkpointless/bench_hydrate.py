@@ -1,0 +1,217 @@
+"""``hp bench hydrate``: how fast a hot spare receives the training state, against a memcpy of the same bytes.
+
+Two processes on this node, each pinned to a core of its own: a source holding the demo GPT's state after
+one AdamW step (the 25m model: parameters and both moments, ~328 MB), and a receiver as a promoted spare
+finds itself (the same model, an optimizer without state, a receive buffer faulted in before the timer).
+Each repeat times the hydration the runtime does (:func:`hp.checkpointless.hydration.replicated`, the
+code a re-form runs), from both processes leaving a barrier to the receiver's state being restored:
+
+* ``shm``: the receiver's buffer is shared memory and the source packs the state straight into it
+  (:mod:`hp.checkpointless.shm`; skeleton and header over gloo);
+* ``tcp``: the same state over gloo (header, skeleton and the flat buffer, CRC-checked on both sides), as
+  between two nodes.
+
+``floor_s`` is a memcpy of the same number of bytes into memory allocated and faulted in beforehand, in
+the source process, timed in the same run. ``shm_of_floor`` = the floor's throughput / shm's (the issue's
+goal: >= 0.5). Modes alternate (shm, tcp, floor, then reversed). The state's checksums match after every
+transfer (the receiver's state digest against the source's), or the run fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from hp.core.benchmeta import BenchRun, spread
+from hp.core.errors import UsageError
+
+MODES = ("shm", "tcp", "floor")
+DEFINITION_VERSION = 1
+
+
+@dataclass
+class HydrateBenchConfig:
+    model_size: str = "25m"
+    vocab: int = 8192
+    repeats: int = 5
+    timeout_s: float = 600.0
+
+    def check(self) -> None:
+        from hp.checkpointless.demo.sizes import MODEL_SIZES
+
+        if self.model_size not in MODEL_SIZES:
+            raise UsageError(f"--model-size must be one of {sorted(MODEL_SIZES)}, got {self.model_size!r}")
+        if self.repeats < 1 or self.vocab < 256:
+            raise UsageError(f"--repeats must be >= 1 and --vocab >= 256, got {self.repeats} and {self.vocab}")
+
+
+def run(cfg: HydrateBenchConfig) -> dict[str, Any]:
+    cfg.check()
+    from hp.core.testing import free_port
+
+    bench = BenchRun("hydrate", DEFINITION_VERSION)
+    with tempfile.TemporaryDirectory(prefix="hp-bench-hydrate-") as tmp:
+        port = free_port()
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+        procs = [subprocess.Popen([sys.executable, "-m", "hp.checkpointless.bench_hydrate", "--worker", str(rank),
+                                   str(port), tmp, json.dumps(asdict(cfg))], env=env,
+                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in (0, 1)]
+        try:
+            outs = [p.communicate(timeout=cfg.timeout_s) for p in procs]
+        finally:
+            for p in procs:
+                p.kill()
+        for p, (_, err) in zip(procs, outs):
+            if p.returncode != 0:
+                raise RuntimeError(f"hp bench hydrate: a rank failed ({p.returncode}): {err[-2000:]}")
+        times = json.loads((Path(tmp) / "times.json").read_text())
+    nbytes = times.pop("nbytes")
+    result: dict[str, Any] = {"model_size": cfg.model_size, "vocab": cfg.vocab, "repeats": cfg.repeats,
+                              "nbytes": nbytes, "pinned": len(os.sched_getaffinity(0)) >= 2}
+    for mode in MODES:
+        result[f"{mode}_s"] = spread(times[mode])
+        result[f"{mode}_gbps"] = round(nbytes / statistics.median(times[mode]) / 1e9, 3)
+    result["shm_of_floor"] = round(statistics.median(times["floor"]) / statistics.median(times["shm"]), 3)
+    result["tcp_of_floor"] = round(statistics.median(times["floor"]) / statistics.median(times["tcp"]), 3)
+    return bench.stamp(result)
+
+
+# ---- the two processes ---------------------------------------------------------------------------
+def _worker(rank: int, port: int, out: Path, cfg: HydrateBenchConfig) -> None:
+    from datetime import timedelta
+
+    from hp.core.benchmeta import pin_to_core
+
+    pin_to_core(rank)
+    import torch
+    import torch.distributed as dist
+
+    from hp.checkpointless import hydration, shm
+    from hp.checkpointless.demo.model import build_model
+    from hp.checkpointless.events import EventLog
+    from hp.checkpointless.registry import TrainingState, digest
+    from hp.checkpointless.sharded import Versions
+    from hp.checkpointless.state import StateBuffer, wire_nbytes
+
+    torch.set_num_threads(1)
+    store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, timeout=timedelta(seconds=120))
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=2, timeout=timedelta(seconds=300))
+
+    def training_state() -> TrainingState:
+        torch.manual_seed(0)
+        model = build_model(cfg.model_size, vocab=cfg.vocab, seq=64)
+        return TrainingState(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
+
+    source = None
+    if rank == 0:
+        source = training_state()
+        for p in source.params:  # one step: AdamW holds both moments, as in training
+            p.grad = torch.randn_like(p)
+        source.optimizer.step()
+    nbytes = torch.tensor([wire_nbytes(source.capture()) if source else 0])
+    dist.all_reduce(nbytes)
+    nbytes = int(nbytes)
+    events = EventLog(None, f"rank{rank}")
+    times: dict[str, list[float]] = {m: [] for m in MODES}
+    for repeat in range(cfg.repeats):
+        for mode in (MODES if repeat % 2 == 0 else MODES[::-1]):
+            if mode == "floor":  # the source process: one contiguous copy into memory faulted in before
+                if rank == 0:
+                    src, dst = torch.ones(nbytes, dtype=torch.uint8), torch.zeros(nbytes, dtype=torch.uint8)
+                    start = time.perf_counter()
+                    dst.copy_(src)
+                    times["floor"].append(time.perf_counter() - start)
+                    del src, dst
+                dist.barrier()
+                continue
+            st = source if rank == 0 else training_state()
+            if rank == 1:  # a promoted spare: its receive buffer allocated and faulted in while it waited
+                size = -(-(nbytes + (nbytes >> 6)) // 64) * 64
+                if mode == "shm":
+                    st.receive_shared = shm.SharedBuffer.create(size)
+                    data = st.receive_shared.tensor
+                else:
+                    data = torch.zeros(size, dtype=torch.uint8)
+                st.receive_buffer = StateBuffer(None, data)
+            a = hydration.Agreement(1, 0, source=0, behind=[1], versions=Versions([0, -1], [-1] * 2, [-1] * 2, [-1] * 2),
+                                    nodes=(0, 0) if mode == "shm" else (0, 1))
+            dist.barrier()
+            start = time.perf_counter()
+            hydration.replicated(st, a, rank, events)
+            if rank == 1:
+                times[mode].append(time.perf_counter() - start)
+            captured = st.capture()
+            mine = torch.tensor(list(bytes.fromhex(digest({k: captured[k] for k in ("model", "optimizer")}))),
+                                dtype=torch.int64)
+            theirs = mine.clone()
+            dist.broadcast(theirs, 0)
+            if not torch.equal(mine, theirs):
+                raise RuntimeError(f"the {mode} hydration delivered another optimizer state than the source's")
+    if rank == 1:
+        floor = torch.zeros(cfg.repeats, dtype=torch.float64)
+        dist.recv(floor, 0)
+        times["floor"] = floor.tolist()
+        (out / "times.json").write_text(json.dumps({"nbytes": nbytes, **times}))
+    else:
+        dist.send(torch.tensor(times["floor"], dtype=torch.float64), 1)
+    dist.destroy_process_group()
+
+
+# ---- the command ----------------------------------------------------------------------------------
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    d = HydrateBenchConfig()
+    p.add_argument("--model-size", default=d.model_size, help="tiny | small | 25m (~328 MB with AdamW)")
+    p.add_argument("--vocab", type=int, default=d.vocab)
+    p.add_argument("--repeats", type=int, default=d.repeats)
+    p.add_argument("--out", default=None, help="also write the result JSON here")
+    p.add_argument("--json", action="store_true", help="last stdout line: one JSON object")
+
+
+def format_table(r: dict[str, Any]) -> str:
+    lines = [f"hp bench hydrate: {r['model_size']}, {r['nbytes'] / 1e6:.0f} MB, 2 processes on one node "
+             f"{'pinned one per core' if r['pinned'] else 'NOT pinned'}, {r['repeats']} repeats"]
+    for mode in MODES:
+        s = r[f"{mode}_s"]
+        lines.append(f"{mode:6} {s['median'] * 1e3:8.1f} ms [{s['min'] * 1e3:.1f}-{s['max'] * 1e3:.1f}]  "
+                     f"{r[f'{mode}_gbps']:.2f} GB/s")
+    lines.append(f"shm hydration at {r['shm_of_floor']:.0%} of the memcpy floor's throughput "
+                 f"(tcp: {r['tcp_of_floor']:.0%})")
+    return "\n".join(lines)
+
+
+def run_cli(args: argparse.Namespace) -> int:
+    result = run(HydrateBenchConfig(model_size=args.model_size, vocab=args.vocab, repeats=args.repeats))
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=1))
+    print(format_table(result), flush=True)
+    if args.json:
+        print(json.dumps(result), flush=True)
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--worker"]:
+        rank, port, out, cfg = argv[1:5]
+        _worker(int(rank), int(port), Path(out), HydrateBenchConfig(**json.loads(cfg)))
+        return 0
+    p = argparse.ArgumentParser(prog="python -m hp.checkpointless.bench_hydrate", description=__doc__.splitlines()[0])
+    add_arguments(p)
+    try:
+        return run_cli(p.parse_args(argv))
+    except UsageError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
