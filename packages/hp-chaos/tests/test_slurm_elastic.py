@@ -69,7 +69,9 @@ def test_a_failed_base_node_is_replaced_and_the_job_never_stops(tmp_path):
     shrink = next(e for e in r["events"] if e["to"] < e["from"])
     # told by the scheduler, not found out a heartbeat timeout (30 s) later
     assert shrink["gap_s"] < 10, shrink
-    assert any(name.endswith("-u1") and state in ("RUNNING", "COMPLETED") for name, state in r["units"].values()), brief
+    # the 3 -> 4 above is the replacement job for node rank 1 joining (its state when the job ended, after
+    # the base job cancelled it, is whatever squeue still says: RUNNING, COMPLETED or CANCELLED)
+    assert any(name.endswith("-u1") for name, _ in r["units"].values()), brief
 
 
 def test_timings_read_the_notice_and_the_first_commit_at_the_new_size():
