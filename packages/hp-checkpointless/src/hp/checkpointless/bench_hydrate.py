@@ -31,7 +31,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from hp.core.benchmeta import BenchRun, spread
+from hp.core.benchmeta import BenchRun, module_main, report, spread
 from hp.core.errors import UsageError
 
 MODES = ("shm", "tcp", "floor")
@@ -190,27 +190,15 @@ def format_table(r: dict[str, Any]) -> str:
 
 def run_cli(args: argparse.Namespace) -> int:
     result = run(HydrateBenchConfig(model_size=args.model_size, vocab=args.vocab, repeats=args.repeats))
-    if args.out:
-        Path(args.out).write_text(json.dumps(result, indent=1))
-    print(format_table(result), flush=True)
-    if args.json:
-        print(json.dumps(result), flush=True)
-    return 0
+    return report(result, format_table(result), args)
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["--worker"]:
-        rank, port, out, cfg = argv[1:5]
+    def worker(args: list[str]) -> None:
+        rank, port, out, cfg = args[:4]
         _worker(int(rank), int(port), Path(out), HydrateBenchConfig(**json.loads(cfg)))
-        return 0
-    p = argparse.ArgumentParser(prog="python -m hp.checkpointless.bench_hydrate", description=__doc__.splitlines()[0])
-    add_arguments(p)
-    try:
-        return run_cli(p.parse_args(argv))
-    except UsageError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+
+    return module_main(argv, "python -m hp.checkpointless.bench_hydrate", __doc__, add_arguments, run_cli, worker)
 
 
 if __name__ == "__main__":

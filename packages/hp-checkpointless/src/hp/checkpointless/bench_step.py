@@ -41,7 +41,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from hp.core.benchmeta import PIN_ENV, BenchRun, spread
+from hp.core.benchmeta import PIN_ENV, BenchRun, module_main, report, spread
 from hp.core.errors import UsageError
 
 MODES = ("hp", "hp_overlap", "ddp", "fsdp", "hp_fsdp")
@@ -263,27 +263,15 @@ def run_cli(args: argparse.Namespace) -> int:
                           steps=args.steps, warmup=args.warmup, repeats=args.repeats, nproc=args.nproc,
                           corpus_mb=args.corpus_mb)
     result = run(cfg)
-    if args.out:
-        Path(args.out).write_text(json.dumps(result, indent=1))
-    print(format_table(result), flush=True)
-    if args.json:
-        print(json.dumps(result), flush=True)
-    return 0
+    return report(result, format_table(result), args)
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["--worker"]:
-        mode, out, cfg = argv[1:4]
+    def worker(args: list[str]) -> None:
+        mode, out, cfg = args[:3]
         _worker(mode, Path(out), StepBenchConfig(**json.loads(cfg)))
-        return 0
-    p = argparse.ArgumentParser(prog="python -m hp.checkpointless.bench_step", description=__doc__.splitlines()[0])
-    add_arguments(p)
-    try:
-        return run_cli(p.parse_args(argv))
-    except UsageError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+
+    return module_main(argv, "python -m hp.checkpointless.bench_step", __doc__, add_arguments, run_cli, worker)
 
 
 if __name__ == "__main__":

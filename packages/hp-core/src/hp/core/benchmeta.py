@@ -92,3 +92,40 @@ def pin_to_core(rank: int, env: dict[str, str] | None = None) -> int | None:
     core = _USABLE[rank % len(_USABLE)]
     os.sched_setaffinity(0, {core})
     return core
+
+
+def report(result: dict[str, Any], table: str, args: Any) -> int:
+    """What a bench command does with its result: the table for people, with ``--json`` the JSON as the
+    last stdout line, with ``--out FILE`` the JSON in FILE as well."""
+    import json
+
+    out = getattr(args, "out", None)
+    if out:
+        with open(out, "w") as f:
+            json.dump(result, f, indent=1)
+    print(table, flush=True)
+    if args.json:
+        print(json.dumps(result), flush=True)
+    return 0
+
+
+def module_main(argv: list[str] | None, prog: str, doc: str, add_arguments: Any, run_cli: Any,
+                worker: Any) -> int:
+    """A bench module run with ``python -m``: ``--worker ARGS...`` is one of the processes it starts
+    (``worker(ARGS)``), anything else its command (bad input: one line, exit 2)."""
+    import argparse
+
+    from hp.core.errors import UsageError
+
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--worker"]:
+        worker(argv[1:])
+        return 0
+    p = argparse.ArgumentParser(prog=prog, description=doc.splitlines()[0])
+    add_arguments(p)
+    try:
+        return run_cli(p.parse_args(argv))
+    except UsageError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+

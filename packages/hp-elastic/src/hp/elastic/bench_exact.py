@@ -33,7 +33,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from hp.core.benchmeta import PIN_ENV, BenchRun, pin_to_core
+from hp.core.benchmeta import PIN_ENV, BenchRun, module_main, pin_to_core, report
 from hp.core.errors import UsageError
 
 MODES = ("float", "exact")
@@ -222,25 +222,15 @@ def run_cli(args: argparse.Namespace) -> int:
                            micro_batch=args.micro_batch, steps=args.steps, warmup=args.warmup, nproc=args.nproc,
                            timeout_s=args.timeout)
     result = run(cfg)
-    print(format_table(result), flush=True)
-    if args.json:
-        print(json.dumps(result), flush=True)
-    return 0
+    return report(result, format_table(result), args)
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["--worker"]:
-        rank, port, out, cfg = argv[1:5]
+    def worker(args: list[str]) -> None:
+        rank, port, out, cfg = args[:4]
         _worker(int(rank), int(port), Path(out), ExactBenchConfig(**json.loads(cfg)))
-        return 0
-    p = argparse.ArgumentParser(prog="python -m hp.elastic.bench_exact", description=__doc__.splitlines()[0])
-    add_arguments(p)
-    try:
-        return run_cli(p.parse_args(argv))
-    except UsageError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+
+    return module_main(argv, "python -m hp.elastic.bench_exact", __doc__, add_arguments, run_cli, worker)
 
 
 if __name__ == "__main__":
