@@ -49,3 +49,15 @@ def test_the_in_place_flag_is_covered_by_the_header_checksum():
     flipped = header.clone()
     flipped[7] = 0
     assert state._header_crc(header) == int(header[6]) != state._header_crc(flipped)
+
+
+def test_a_rank_behind_hydrates_from_the_lowest_up_to_date_rank_of_its_node():
+    from hp.checkpointless.hydration import Agreement
+    from hp.checkpointless.sharded import Versions
+
+    v = Versions([5] * 6, [-1] * 6, [-1] * 6, [-1] * 6)
+    a = Agreement(3, 5, source=0, behind=[1, 4], versions=v, nodes=(0, 0, 0, 1, 1, 2))
+    assert (a.source_for(1), a.source_for(4)) == (0, 3)  # its node's lowest up-to-date rank
+    alone = Agreement(3, 5, source=0, behind=[5], versions=v, nodes=(0, 0, 0, 1, 1, 2))
+    assert alone.source_for(5) == 0  # nobody up to date on node 2: the lowest rank, over the transport
+    assert Agreement(3, 5, source=0, behind=[1], versions=v).source_for(1) == 0  # nodes unknown

@@ -1,7 +1,8 @@
 """Hydration after a re-form: the ranks behind the newest committed step get the state they lack.
 
-Replicated state (DDP-style): every up-to-date rank holds all of it, the lowest one sends it whole (a
-receiver on its node gets it packed straight into its memory: :mod:`hp.checkpointless.shm`).
+Replicated state (DDP-style): every up-to-date rank holds all of it; a rank behind gets it whole from
+the lowest up-to-date rank of its node, packed straight into its memory (:mod:`hp.checkpointless.shm`),
+else from the lowest up-to-date rank over the transport.
 Sharded optimizer state (:mod:`hp.checkpointless.sharded`): each missing shard comes from the owner's
 buddy (the next rank in the ring its replicas were made with) (rolled forward when one step old), the replicated rest (buffers, LR schedule, RNG, extras)
 from the lowest up-to-date rank, each partition's parameters from its owner; then shards are
@@ -47,6 +48,15 @@ class Agreement:
     def same_node(self, a: int, b: int) -> bool:
         return bool(self.nodes) and self.nodes[a] == self.nodes[b]
 
+    def source_for(self, rank: int) -> int:
+        """Where a rank behind gets replicated state: the lowest up-to-date rank on its node (through shared
+        memory), else :attr:`source`. Any up-to-date rank holds the same replicated state."""
+        if self.nodes:
+            for r in range(len(self.nodes)):
+                if r not in self.behind and self.nodes[r] == self.nodes[rank]:
+                    return r
+        return self.source
+
     def resharding(self, world: int) -> bool:
         """Whether optimizer shards move: another world size, or a survivor with another rank."""
         return self.previous_world >= 0 and (self.previous_world != world or any(
@@ -54,12 +64,14 @@ class Agreement:
 
 
 def replicated(st: TrainingState, a: Agreement, rank: int, events: EventLog) -> None:
-    """Replicated state: the ranks behind pull everything from the source; one on the source's node
-    offers its shared receive buffer, and the source packs the state straight into it (:mod:`hp.checkpointless.shm`)."""
+    """Replicated state: each rank behind pulls everything from :meth:`Agreement.source_for`; on the
+    source's node it offers its shared receive buffer, and the source packs the state straight into it
+    (:mod:`hp.checkpointless.shm`)."""
     for r in a.behind:
-        if rank == a.source:
+        source = a.source_for(r)
+        if rank == source:
             captured = st.capture()
-            target = _attach_offer(r, captured) if a.same_node(a.source, r) else None
+            target = _attach_offer(r, captured) if a.same_node(source, r) else None
             try:
                 state.send_state(captured, r, in_place=None if target is None else target.tensor)
             finally:
@@ -70,10 +82,10 @@ def replicated(st: TrainingState, a: Agreement, rank: int, events: EventLog) -> 
             # has no state yet, so it receives into a new buffer the optimizer then keeps
             has_state = st.optimizer is None or bool(st.optimizer.state)
             shared = st.receive_shared if not has_state else None
-            if a.same_node(a.source, r):
-                state.send_tensor(shm.no_offer() if shared is None else shared.offer(), a.source)
+            if a.same_node(source, r):
+                state.send_tensor(shm.no_offer() if shared is None else shared.offer(), source)
             try:
-                received = state.recv_state(a.source, template=st.capture() if has_state else None,
+                received = state.recv_state(source, template=st.capture() if has_state else None,
                                             buffer=None if has_state else st.receive_buffer)
             finally:
                 if shared is not None:  # offered once: a retry of this hydration goes over the transport
@@ -81,7 +93,7 @@ def replicated(st: TrainingState, a: Agreement, rank: int, events: EventLog) -> 
                     st.receive_shared = None
             st.receive_buffer = None  # the optimizer now owns those bytes: never receive into them again
             st.restore(received)
-            _hydrated(st, a, rank, events)
+            _hydrated(st, a, rank, events, source)
 
 
 def _attach_offer(receiver: int, captured: dict) -> shm.SharedBuffer | None:
@@ -176,6 +188,7 @@ def _rebuild_shards(sh: sharded.ShardedOptimizer, tx: StepTransaction, a: Agreem
                           generation=a.generation)
 
 
-def _hydrated(st: TrainingState, a: Agreement, rank: int, events: EventLog) -> None:
+def _hydrated(st: TrainingState, a: Agreement, rank: int, events: EventLog, source: int | None = None) -> None:
     st.mark_committed(a.newest)
-    events.record(Event.HYDRATED, rank=rank, step=a.newest, source=a.source, generation=a.generation)
+    events.record(Event.HYDRATED, rank=rank, step=a.newest, source=a.source if source is None else source,
+                  generation=a.generation)
