@@ -117,6 +117,18 @@ def test_exception_in_step_recovers_in_process(reference, job_env, tmp_path):
     assert [e for e in result.events if e["event"] == "failure_detected" and e["in_step"]][0]["rank"] == 1
 
 
+def test_a_rank_whose_device_fails_its_health_check_leaves_for_a_spare(reference, job_env, tmp_path):
+    """An exception whose device is then unusable (the ``unhealthy`` fault: the CPU stand-in for a CUDA
+    error that poisons the context): the rank's health check before re-entry fails (hp.core.health), it
+    exits 74 and the spare takes its rank."""
+    result, logs = faulted(tmp_path, job_env, [{"at_step": AT, "phase": "backward", "kind": "unhealthy", "rank": 2}],
+                           spares=1)
+    assert_identical(reference, result)
+    failed = [e for e in result.events if e["event"] == "health_check_failed"]
+    assert [(e["rank"], e["check"]) for e in failed] == [(2, "injected")]
+    assert "promote_spare" in decisions(logs) and "exit code 74" in result.output
+
+
 def test_a_rank_that_keeps_failing_is_replaced(reference, job_env, tmp_path):
     faults = [{"at_step": s, "phase": "forward", "kind": "exception", "rank": 2} for s in (AT - 1, AT, AT + 1)]
     result, logs = faulted(tmp_path, job_env, faults, spares=1)

@@ -47,7 +47,7 @@ def _train_args(args: argparse.Namespace) -> list[str]:
 def hp_cli_commands(subparsers: argparse._SubParsersAction) -> None:
     p = subparsers.add_parser("demo", help="reference run vs the same job with a fault: recovery time, "
                                            "lost steps, bit-identical losses")
-    p.add_argument("--fault", choices=("kill", "hang", "exception"), default="kill")
+    p.add_argument("--fault", choices=("kill", "hang", "exception", "unhealthy"), default="kill")
     p.add_argument("--phase", choices=PHASES[:-1], default="allreduce", help="step phase the fault hits")
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--fault-step", type=int, default=None, help="default: the middle of the run")

@@ -3,7 +3,9 @@
 A plan is a JSON list in ``HP_FAULTS``:
 ``[{"at_step": 12, "phase": "allreduce", "kind": "kill", "rank": 1}]``. Kinds: ``kill`` (SIGKILL
 itself), ``hang`` (SIGSTOP itself: only the agent's heartbeat watch notices), ``exception`` (raise
-:class:`InjectedFault`, the CPU stand-in for a recoverable device error), ``slow`` (a straggler:
+:class:`InjectedFault`, the CPU stand-in for a recoverable device error), ``unhealthy`` (the same, and
+this process's device then fails its health check: the CPU stand-in for a device error that leaves
+the device unusable, :mod:`hp.core.health`), ``slow`` (a straggler:
 sleep ``delay_s`` at the phase of each of ``steps`` steps from ``at_step`` on; nothing fails).
 Phases: ``forward``, ``backward``, ``allreduce``, ``commit``, ``optimizer``, ``hydration``. A fault
 targets a rank, whoever holds it at that step (the process started as it, a spare promoted to it, a
@@ -25,7 +27,7 @@ from dataclasses import dataclass
 from hp.core.protocol import FAULT_CLAIM_KEY
 
 PHASES = ("forward", "backward", "allreduce", "commit", "optimizer", "hydration")
-KINDS = ("kill", "hang", "exception", "slow")
+KINDS = ("kill", "hang", "exception", "slow", "unhealthy")
 
 
 class InjectedFault(RuntimeError):
@@ -65,6 +67,7 @@ class FaultPlan:
     def __init__(self, faults: list[Fault], claim: Callable[[str], bool]) -> None:
         self.faults, self._claim = faults, claim
         self._seen: set[tuple[int, int]] = set()  # (fault index, step) this process already tried
+        self.unhealthy = False  # an ``unhealthy`` fault fired here: this process's health check fails
 
     @classmethod
     def from_env(cls, claim: Callable[[str], bool], env=os.environ) -> FaultPlan:
@@ -90,4 +93,5 @@ class FaultPlan:
             elif fault.kind == "hang":
                 os.kill(os.getpid(), signal.SIGSTOP)
             else:
+                self.unhealthy = fault.kind == "unhealthy"
                 raise InjectedFault(f"injected exception at step {step} ({phase}) on rank {rank}")

@@ -85,7 +85,8 @@ class Formation:
         if st is not None:
             self._prepare_receive_buffer(st, self._view)  # now, if the job published its size: ready means ready
         cpu = os.times()
-        self._events.record(Event.SPARE_READY, spare=self.spare_id, cpu_s=round(cpu.user + cpu.system, 3))
+        self._events.record(Event.SPARE_READY, spare=self.spare_id, cpu_s=round(cpu.user + cpu.system, 3),
+                            local_rank=int(os.environ.get("LOCAL_RANK", "-1")))  # its device, before any rank
         try:
             self._controller.call(Verb.SPARE_READY, {"node_rank": self.node_rank, "spare": self.spare_id})
         except ControlPlaneError as e:  # best effort: a spare never heard from is still promoted when none is ready

@@ -41,7 +41,8 @@ from hp.core.benchmeta import pin_to_core
 from hp.core.control_plane import ControlClient
 from hp.core.errors import UsageError
 from hp.core.fanout import Mirror
-from hp.core.plugins import get_backend
+from hp.core.health import EXIT_UNHEALTHY, first_failure
+from hp.core.plugins import backends, get_backend
 from hp.core.protocol import FINISHED_KEY, Event, Plan
 from hp.core.signed_values import Refusals, sealing
 
@@ -395,6 +396,7 @@ class Context:
                            error=f"{type(exc).__name__}: {exc}"[:300], in_step=failure.in_step, replay=failure.replay)
         _drop_frames(exc)
         self._link.release()
+        self._check_health()
         self._tx.abort()
         self._training.rollback()
         if failure.report is not None:
@@ -402,6 +404,20 @@ class Context:
         self._formation.reform(self._training, self._tx, failed_generation + 1,
                                on_slow=lambda: self._formation.report("collective", str(exc)))
         self._formed()
+
+    def _check_health(self) -> None:
+        """After a failure, before re-entering: this rank's device passes every health check that applies
+        (:mod:`hp.core.health`, family ``health``), or the process leaves and a spare takes its rank."""
+        failed = first_failure(backends("health").values(), str(self.device))
+        if self._faults.unhealthy:
+            failed = ("injected", "an injected fault left this device unusable")
+        if failed is None:
+            return
+        check, reason = failed
+        self.events.record(Event.HEALTH_CHECK_FAILED, rank=self.rank, check=check, reason=reason[:300])
+        print(f"hp: rank {self.rank}: health check {check!r} failed ({reason}); leaving for a spare",
+              file=sys.stderr, flush=True)
+        raise JobEnded(EXIT_UNHEALTHY)
 
     def _formed(self) -> None:
         """After every formation: state for another world size than the group's is the user's to adapt

@@ -184,7 +184,9 @@ class ShardedOptimizer:
         dtype = parts[rank][0].dtype if parts[rank] else next(p for ps in parts for p in ps).dtype
         if self._gather is None or self._gather.shape != (world, longest) or self._gather.dtype != dtype:
             # kept referenced between steps: see group.py
-            self._gather, self._gather_in = torch.zeros(world, longest, dtype=dtype), torch.zeros(longest, dtype=dtype)
+            device = parts[rank][0].device if parts[rank] else next(p for ps in parts for p in ps).device
+            self._gather = torch.zeros(world, longest, dtype=dtype, device=device)
+            self._gather_in = torch.zeros(longest, dtype=dtype, device=device)
             self._gather_rows = list(self._gather.unbind(0))
         offset = 0
         for p in parts[rank]:

@@ -168,7 +168,8 @@ class StepTransaction:
         holds the sum so far whatever the reduction did with it after the previous micro-batch."""
         params = self._st.params
         if self.grads is None:
-            self.grads = torch.zeros(sum(p.numel() for p in params), dtype=params[0].dtype)
+            # on the parameters' device: their .grad are views into it (the vote and buffers stay on the host)
+            self.grads = torch.zeros(sum(p.numel() for p in params), dtype=params[0].dtype, device=params[0].device)
             offset = 0
             for p in params:
                 view = self.grads[offset:offset + p.numel()].view_as(p)

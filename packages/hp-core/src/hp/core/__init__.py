@@ -26,6 +26,7 @@ _EXPORTS = {
     "Capacity": "hp.core.scheduler", "SchedulerBackend": "hp.core.scheduler",
     "StoreBackend": "hp.core.store", "StoreServer": "hp.core.store",
     "TransportBackend": "hp.core.transport", "generation_prefix": "hp.core.transport",
+    "HealthCheck": "hp.core.health", "DeviceSlots": "hp.core.devices",
     "WorkerContext": "hp.core.worker",
     "CONTROLLER_KEY": "hp.core.protocol", "ControllerReplica": "hp.core.leader", "LeaderResolver": "hp.core.leader",
     "Lease": "hp.core.leader", "StateKeeper": "hp.core.leader",

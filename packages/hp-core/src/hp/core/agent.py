@@ -33,6 +33,7 @@ from torch.distributed.elastic.multiprocessing.api import SignalException
 from hp.core import auth, forkserver
 from hp.core.config import RunConfig
 from hp.core.control_plane import ControlClient, ControlServer
+from hp.core.devices import DeviceSlots
 from hp.core.controller import Controller, ControllerConfig
 from hp.core.errors import ControlPlaneError, HpError
 from hp.core.fanout import RELAY_WAIT_S, Relay
@@ -322,15 +323,19 @@ class Agent:
         self._assignment = a
         os.makedirs(os.path.join(self.log_dir, "heartbeats"), exist_ok=True)
         tee = Std(self.cfg.tee)
+        # one device slot (LOCAL_RANK) per process, spares included (hp.core.devices)
+        self.devices = DeviceSlots(self.cfg.nproc_per_node + len(a.spare_ids))
         if a.rank_offset >= 0:
-            for local_rank in range(self.cfg.nproc_per_node):
+            for _ in range(self.cfg.nproc_per_node):
+                local_rank = self.devices.take()  # 0, 1, ... in order
                 rank = a.rank_offset + local_rank
                 self.workers.append(Worker(rank, local_rank, command, self.log_dir, tee, holder=worker_holder(rank, 0)))
         else:
             say(f"node {self.cfg.node_rank} joins a running job: its {self.cfg.nproc_per_node} process(es) "
                 f"start as spares that the job grows into")
         for sid in a.spare_ids:
-            self.spares.append(Worker(-1, -1, command, self.log_dir, tee, spare_id=sid, holder=spare_holder(sid)))
+            self.spares.append(Worker(-1, self.devices.take(), command, self.log_dir, tee, spare_id=sid,
+                                      holder=spare_holder(sid)))
         self._next_spare = 1 + max((int(s.rpartition("s")[2]) for s in a.spare_ids), default=self.cfg.spares - 1)
         for w in self.workers + self.spares:
             with _starting():
@@ -341,11 +346,9 @@ class Agent:
         env = {k: v for k, v in self.transport.env_defaults().items() if k not in os.environ}
         env.update(self.services.worker_env())
         env.update(self._thread_env())
+        env["LOCAL_RANK"] = str(w.local_rank)  # its device, a spare's too: it keeps it when promoted
         if w.spare_id is None:
-            env.update({
-                "RANK": str(w.rank), "LOCAL_RANK": str(w.local_rank),
-                "ROLE_RANK": str(w.rank), "HP_ROLE": "worker",
-            })
+            env.update({"RANK": str(w.rank), "ROLE_RANK": str(w.rank), "HP_ROLE": "worker"})
         else:  # a spare learns its rank from the controller when it is promoted
             env.update({"HP_ROLE": "spare", "HP_SPARE_ID": w.spare_id})
         w.heartbeat_file = os.path.join(self.log_dir, "heartbeats", f"{w.name}.attempt{w.restarts}")
@@ -411,6 +414,7 @@ class Agent:
                     self.workers.append(w)
                     continue
                 w.finish()
+                self.devices.release(w.local_rank)
                 say(f"spare {w.spare_id} (pid {w.pid}) exited: {w.exit.describe()}")
                 answer = self._call(client, Verb.SPARE_FAILED, {"spare": w.spare_id}, fenced=True)
                 if "action" in answer:  # promoted before this agent heard of it: a rank died
@@ -501,6 +505,7 @@ class Agent:
             return
         if w in self.workers:
             self.workers.remove(w)  # the rank now lives in a spare process, here or on another node
+        self.devices.release(w.local_rank)  # for the process that replaces it here
         if action == FailureAction.SHRINK:
             say(f"rank {w.rank}: no spare left; the job goes on with {decision['world_size']} ranks "
                 f"(generation {self.generation}); a new process takes the freed slot and joins when ready")
@@ -550,6 +555,7 @@ class Agent:
             return
         for w in [w for w in self.workers if w.exit and w.exit.ok and w.holder not in self._members]:
             self.workers.remove(w)
+            self.devices.release(w.local_rank)
             say(f"{w.holder} left the job (scaled out); a new process keeps its slot for when the job grows")
             self._add_spare(joiner=True)
 
@@ -559,8 +565,8 @@ class Agent:
         job trains, so it is forked with torch already imported (hp.core.forkserver)."""
         sid = spare_id(self.cfg.node_rank, self._next_spare)
         self._next_spare += 1
-        w = forkserver.ForkedWorker(-1, -1, self._command, self.log_dir, Std(self.cfg.tee), spare_id=sid,
-                                    holder=spare_holder(sid))
+        w = forkserver.ForkedWorker(-1, self.devices.take(), self._command, self.log_dir, Std(self.cfg.tee),
+                                    spare_id=sid, holder=spare_holder(sid))
         with _starting():
             w.start(self._worker_env(w))
             self.spares.append(w)
@@ -648,7 +654,7 @@ class Agent:
                     say("the job's ranks saved their last committed step and stopped (preempted)")
                     return EXIT_PREEMPTED
             time.sleep(self.cfg.monitor_interval_s)
-        say(f"grace period over before every rank saved: stopping; a restart resumes from the newest complete checkpoint")
+        say("grace period over before every rank saved: stopping; a restart resumes from the newest complete checkpoint")
         return EXIT_PREEMPTED
 
     def _tell_stopping(self, why: str) -> None:

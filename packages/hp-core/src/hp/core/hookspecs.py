@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 import pluggy
 
 if TYPE_CHECKING:
+    from hp.core.health import HealthCheck
     from hp.core.scaling import Scaler
     from hp.core.scheduler import SchedulerBackend
     from hp.core.services import NodeService
@@ -86,6 +87,18 @@ def hp_node_services() -> list[NodeService]:
     See :class:`hp.core.services.NodeService`.
 
     :return: a list of node service instances, each with a unique ``name``.
+    """
+
+
+@hookspec
+def hp_health_checks() -> list[HealthCheck]:
+    """Contribute health checks (family ``health``) a rank passes before it re-enters training after a
+    failure (a CUDA context that survived the failure, enough free device memory, ...).
+
+    See :class:`hp.core.health.HealthCheck`; a failing check makes the process leave, and a spare
+    takes its rank.
+
+    :return: a list of health check instances, each with a unique ``name``.
     """
 
 

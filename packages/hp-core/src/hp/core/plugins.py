@@ -25,6 +25,7 @@ FAMILY_HOOKS: dict[str, str] = {
     "store": "hp_store_backends",
     "storage": "hp_storage_tiers",
     "node_service": "hp_node_services",
+    "health": "hp_health_checks",
 }
 
 

@@ -197,6 +197,7 @@ class Event(StrEnum):
     FAULT_RESUMED = "fault_resumed"
     FENCED_OUT = "fenced_out"
     FINAL_STATE = "final_state"  # per-rank digests of the final training state
+    HEALTH_CHECK_FAILED = "health_check_failed"  # after a failure this rank's device failed a check: it leaves
     HYDRATED = "hydrated"
     LEFT = "left"  # this rank left the job gracefully (preempted, or scaled in): not a failure
     PREEMPT_SAVED = "preempt_saved"  # the job was preempted: this rank saved its last committed step

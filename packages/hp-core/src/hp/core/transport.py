@@ -163,10 +163,12 @@ EFA_ENV_DEFAULTS = {
 
 
 class NcclTransport(TransportBackend):
-    """GPU collectives. One GPU per local rank; EFA-friendly defaults where EFA is present."""
+    """GPU collectives. One GPU per local rank; EFA-friendly defaults where EFA is present. The group
+    has a gloo half for host tensors (torch's ``cpu:gloo,cuda:nccl``): the commit vote, the agreement
+    after a re-form and hydration's flat buffers are host tensors. Not yet run on a GPU."""
 
     name = "nccl"
-    torch_backend = "nccl"
+    torch_backend = "cpu:gloo,cuda:nccl"
 
     def __init__(self, sysfs: str = "/sys/class/infiniband") -> None:
         self._sysfs = sysfs
@@ -189,13 +191,19 @@ class NcclTransport(TransportBackend):
     def device_for(self, local_rank: int) -> str:
         return f"cuda:{local_rank}"
 
+    def init_timeout(self, timeout: timedelta, connect_timeout: timedelta | None) -> timedelta:
+        return GlooTransport.init_timeout(self, timeout, connect_timeout)  # the gloo half connects at init
+
     def abort(self) -> None:
-        # NCCL communicators stuck in a kernel must be aborted; destroying them would wait forever.
+        # NCCL communicators stuck in a kernel must be aborted first (destroying them would wait forever);
+        # then destroying the group closes the gloo half's sockets, which releases peers blocked on them
         import torch.distributed as dist
         from torch.distributed.distributed_c10d import _abort_process_group
 
         if dist.is_initialized():
             _abort_process_group()
+        if dist.is_initialized():
+            dist.destroy_process_group()
 
     def init_process_group(self, store, rank, world_size, generation, timeout=timedelta(minutes=10),
                            connect_timeout=None):

@@ -1,0 +1,28 @@
+"""A node's processes each have a device (LOCAL_RANK) before they hold a rank: a hot spare its own, a
+replenished spare the one the dead rank freed (what a GPU node needs; on CPU nothing binds to it)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from hp.checkpointless.events import read_events
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_a_spare_has_its_own_device_and_its_replacement_takes_the_dead_rank_s(tmp_path):
+    kill = json.dumps([{"at_step": 3, "phase": "allreduce", "kind": "kill", "rank": 1}])
+    done = subprocess.run(
+        [sys.executable, "-m", "hp.core.cli", "run", "--nproc-per-node", "2", "--spares", "1", "--replenish-spares",
+         "--log-dir", str(tmp_path / "logs"), "--tee", "0", "-m", "hp.checkpointless.demo.train", "--steps", "40",
+         "--corpus-mb", "1"],
+        cwd=ROOT, env={**os.environ, "HP_DATA_CACHE_DIR": str(tmp_path), "HP_FAULTS": kill},
+        capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    ready = {e["spare"]: e["local_rank"] for e in read_events(str(tmp_path / "logs" / "events"))
+             if e["event"] == "spare_ready"}
+    assert ready == {"n0s0": 2, "n0s1": 1}, ready  # n0s0 took rank 1; n0s1 replaced it on rank 1's device
