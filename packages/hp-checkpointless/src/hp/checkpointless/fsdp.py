@@ -205,9 +205,9 @@ class ShardedModel:
 
     # ---- shards -----------------------------------------------------------------------------
     def shard(self, optimizer: torch.optim.Optimizer) -> dict:
-        """This rank's parameters and optimizer state as local tensors (live: a send payload), with which
-        the optimizer's order of the parameters
-        (``order[i]``: the index in :attr:`params` of its i-th; ``sizes``: its groups' lengths)."""
+        """This rank's parameters and optimizer state as local tensors (live: a send payload), and the
+        optimizer's order of the parameters (``order[i]``: the index in :attr:`params` of its i-th;
+        ``sizes``: its groups' lengths), which a shadow builds its optimizer with."""
         sd = optimizer.state_dict()
         position = {id(p): j for j, p in enumerate(self.params)}
         order = [position[id(p)] for g in optimizer.param_groups for p in g["params"]]
