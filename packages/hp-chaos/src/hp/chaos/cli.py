@@ -175,43 +175,30 @@ def _add_elastic(bench: argparse._SubParsersAction) -> None:
     p.set_defaults(handler=_elastic)
 
 
-def _add_exact(bench: argparse._SubParsersAction) -> None:
-    """``hp bench exact``: hp-elastic's bench (its arguments are its own); needs hp-elastic installed."""
-    p = bench.add_parser("exact", help="step-time cost of exact mode (W-independent integer reduction) against "
-                                       "the float all-reduce, one rank per core")
+# benches whose code (and arguments) live in another distribution: name -> (module, dist, help)
+MODULE_BENCHES = {
+    "exact": ("hp.elastic.bench_exact", "hp-elastic", "step-time cost of exact mode (W-independent integer reduction) "
+                                                       "against the float all-reduce, one rank per core"),
+    "step": ("hp.checkpointless.bench_step", "hp-checkpointless", "steady-state step time of hp's step transaction "
+                                                                 "against plain DDP, same model and ranks, one rank per core"),
+    "hydrate": ("hp.checkpointless.bench_hydrate", "hp-checkpointless", "a hot spare's hydration on one node (shared "
+                                                                        "memory, and over gloo) against a memcpy of the same bytes"),
+}
+
+
+def _add_module_bench(bench: argparse._SubParsersAction, name: str) -> None:
+    """``hp bench NAME`` of another distribution: its module's own arguments and command; a one-line error
+    naming the distribution when it is not installed. The module imports no torch at import time (the CLI
+    loads every plugin on every call)."""
+    module, dist, help_text = MODULE_BENCHES[name]
+    p = bench.add_parser(name, help=help_text)
     try:
-        from hp.elastic import bench_exact  # no torch at import: the CLI loads every plugin
+        mod = importlib.import_module(module)
     except ImportError as e:
-        p.set_defaults(handler=lambda args, e=e: _missing("hp bench exact", "hp-elastic", e))
+        p.set_defaults(handler=lambda args, e=e: _missing(f"hp bench {name}", dist, e))
         return
-    bench_exact.add_arguments(p)
-    p.set_defaults(handler=bench_exact.run_cli)
-
-
-def _add_step(bench: argparse._SubParsersAction) -> None:
-    """``hp bench step``: hp-checkpointless's bench (its arguments are its own)."""
-    p = bench.add_parser("step", help="steady-state step time of hp's step transaction against plain DDP, "
-                                      "same model and ranks, one rank per core")
-    try:
-        from hp.checkpointless import bench_step  # no torch at import: the CLI loads every plugin
-    except ImportError as e:
-        p.set_defaults(handler=lambda args, e=e: _missing("hp bench step", "hp-checkpointless", e))
-        return
-    bench_step.add_arguments(p)
-    p.set_defaults(handler=bench_step.run_cli)
-
-
-def _add_hydrate(bench: argparse._SubParsersAction) -> None:
-    """``hp bench hydrate``: hp-checkpointless's bench (its arguments are its own)."""
-    p = bench.add_parser("hydrate", help="a hot spare's hydration on one node (shared memory, and over gloo) "
-                                         "against a memcpy of the same bytes")
-    try:
-        from hp.checkpointless import bench_hydrate  # no torch at import: the CLI loads every plugin
-    except ImportError as e:
-        p.set_defaults(handler=lambda args, e=e: _missing("hp bench hydrate", "hp-checkpointless", e))
-        return
-    bench_hydrate.add_arguments(p)
-    p.set_defaults(handler=bench_hydrate.run_cli)
+    mod.add_arguments(p)
+    p.set_defaults(handler=mod.run_cli)
 
 
 def _all(args: argparse.Namespace) -> int:
@@ -342,9 +329,8 @@ def hp_cli_commands(subparsers: argparse._SubParsersAction) -> None:
     _add_recovery(bench)
     _add_goodput(bench)
     _add_elastic(bench)
-    _add_exact(bench)
-    _add_step(bench)
-    _add_hydrate(bench)
+    for name in MODULE_BENCHES:
+        _add_module_bench(bench, name)
     _add_all(bench)
     _add_chaos(subparsers)
     importlib.import_module("hp.chaos.goodput_cli").add_goodput(subparsers)  # hp goodput simulate
