@@ -120,12 +120,7 @@ def sharded_optimizer(st: TrainingState, tx: StepTransaction, a: Agreement, rank
     else:
         moved = None
         _rebuild_shards(sh, tx, a, rank, events)
-    for r in a.behind:
-        if rank == a.source:
-            state.send_state(st.replicated_part(), r)
-        elif rank == r:
-            st.load_replicated_part(state.recv_state(a.source))
-            _hydrated(st, a, rank, events)
+    _replicated_rest(st, a, rank, events)
     # a rank gets past this all-gather only once every rank has received its new partition
     collective(sh.sync_params)
     if moved is not None:
@@ -150,23 +145,30 @@ def fsdp_shards(st: TrainingState, a: Agreement, rank: int, collective: Callable
             state.send_state(fs.copy_for_replacement(optimizer, a.newest), r)
         elif rank == r:
             message = state.recv_state(src)  # a fresh buffer: the optimizer keeps its tensors
-            fs.load_shard(optimizer, message["shard"], int(message["at"]))
-            if int(message["at"]) != a.newest:
-                if message["grads"] is None or int(message["at"]) != a.newest - 1:
-                    raise state.StateTransferError(f"rank {src} sent a shard of step {message['at']} without "
-                                                   f"what brings it to step {a.newest}")
-                fs.roll_forward(optimizer, a.newest, message["grads"], message["hyper"])
+            with state.from_peer(src, "shard"):
+                at = int(message["at"])
+                if at != a.newest and (message["grads"] is None or at != a.newest - 1):
+                    raise state.StateTransferError(f"rank {src} sent a shard of step {at} without what brings "
+                                                   f"it to step {a.newest}")
+                fs.load_shard(optimizer, message["shard"], at)
+                if at != a.newest:
+                    fs.roll_forward(optimizer, a.newest, message["grads"], message["hyper"])
             events.record(Event.SHARD_REBUILT, rank=r, step=a.newest, buddy=src, rolled_forward=roll,
                           generation=a.generation)
+    _replicated_rest(st, a, rank, events)
+    fs.advance_shadow(a.newest)  # a buddy that missed the vote of `newest` re-runs its ward's update now
+    if rolls or sources or not fsdp.shadows_current(v, a.newest):
+        fs.sync(rank, optimizer, collective)
+
+
+def _replicated_rest(st: TrainingState, a: Agreement, rank: int, events: EventLog) -> None:
+    """Sharded state's replicated rest (buffers, LR schedule, RNG, extras) from the source to each rank behind."""
     for r in a.behind:
         if rank == a.source:
             state.send_state(st.replicated_part(), r)
         elif rank == r:
             st.load_replicated_part(state.recv_state(a.source))
             _hydrated(st, a, rank, events)
-    fs.advance_shadow(a.newest)  # a buddy that missed the vote of `newest` re-runs its ward's update now
-    if rolls or sources or not fsdp.shadows_current(v, a.newest):
-        fs.sync(rank, optimizer, collective)
 
 
 def _rebuild_shards(sh: sharded.ShardedOptimizer, tx: StepTransaction, a: Agreement, rank: int,
