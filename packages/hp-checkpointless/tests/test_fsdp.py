@@ -77,3 +77,18 @@ def test_shadows_are_copied_whole_again_unless_every_one_is_at_the_newest_step_o
     assert not shadows_current(versions([7] * 4, replica_at=[7, 6, 7, 7]), 7)  # one step behind, no gradients
     assert not shadows_current(versions([7, -1, 7, 7], replica_at=[7, NO_REPLICA, 7, 7]), 7)  # a fresh process
     assert not shadows_current(versions([-1] * 4), -1)  # job start: NO_REPLICA is not "one step before -1"
+
+
+def test_a_malformed_shard_from_a_peer_is_a_transfer_error_not_a_crash():
+    import torch
+
+    from hp.checkpointless import state
+    from hp.checkpointless.shadow import Shadow
+
+    with pytest.raises(state.StateTransferError, match="rank 3 sent a malformed shard: KeyError"):
+        with state.from_peer(3, "shard"):
+            Shadow({"at": 1}, torch.optim.AdamW)
+    params = [torch.zeros(2), torch.zeros(3)]
+    with pytest.raises(state.StateTransferError, match=r"optimizer order \[0, 0\] .* does not cover its 2 parameters"):
+        Shadow({"at": 1, "hyper": [{"lr": 0.1}], "shard": {"params": params, "optim": {}, "order": [0, 0],
+                                                            "sizes": [2]}}, torch.optim.AdamW)

@@ -34,11 +34,12 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from hp.checkpointless import state
 from hp.checkpointless.mesh import GenerationMesh, MeshLayout
-from hp.checkpointless.replicas import NO_REPLICA, Replicas, buddy_in, check_ring, ring_exchange
+from hp.checkpointless.replicas import NO_REPLICA, Replicas, buddy_in, check_ring, ring_exchange, ward_in
 from hp.checkpointless.shadow import Shadow
 from hp.checkpointless.sharded import ShardLost, hyper, set_hyper
 from hp.core.errors import UsageError
@@ -178,8 +179,13 @@ class ShardedModel:
     def advance_shadow(self, step: int) -> None:
         """Step ``step`` is committed: re-run the ward's update of it on the shadow (local)."""
         pending = self._pending()
-        if pending is not None and int(pending["version"]) == step:
-            self.shadow.advance(step, pending["grads"], pending["hyper"])
+        if pending is None or int(pending["version"]) != step:
+            return
+        try:
+            with state.from_peer(ward_in(self._ring(), dist.get_rank()), "gradient copy"):
+                self.shadow.advance(step, pending["grads"], pending["hyper"])
+        except state.StateTransferError:  # the step stands (committed); the next formation copies the shard whole
+            self.shadow = None
 
     def sync(self, rank: int, optimizer: torch.optim.Optimizer, move: Callable[[Callable[[], None]], None]) -> None:
         """Pure FSDP: this rank's whole shard to its buddy, which makes a new shadow of it; keeps its
@@ -189,7 +195,9 @@ class ShardedModel:
         message = {"at": self.version, "shard": self.shard(optimizer), "hyper": hyper(optimizer.param_groups)}
 
         def receive(ward: int) -> None:
-            self.shadow = Shadow(state.recv_state(ward), type(optimizer))  # a fresh buffer: the shadow keeps it
+            received = state.recv_state(ward)  # a fresh buffer: the shadow keeps it
+            with state.from_peer(ward, "shard"):
+                self.shadow = Shadow(received, type(optimizer))
             self.grads_in.drop()
 
         ring_exchange(self._ring(), rank, lambda buddy: state.send_state(message, buddy), receive, move)

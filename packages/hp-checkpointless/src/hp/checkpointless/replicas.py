@@ -89,8 +89,10 @@ class Replicas:
     def _receive(self, ward: int) -> None:
         spare = self._buffers[1 - self._active]
         received = state.recv_state(ward, buffer=spare)
+        with state.from_peer(ward, "shard copy"):
+            version = int(received["version"])
         self._active = 1 - self._active
-        self.held, self.version = received, int(received["version"])
+        self.held, self.version = received, version
 
     def drop(self) -> None:
         self.held, self.version = None, NO_REPLICA

@@ -15,11 +15,12 @@ header CRC, size) the receiver cannot know how much to drain: re-form the group.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import zlib
 from collections import OrderedDict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from datetime import timedelta
 from typing import Any
 
@@ -29,7 +30,7 @@ import torch.distributed as dist
 from hp.checkpointless.rng import capture_rng, restore_rng
 
 __all__ = ["DEFAULT_MAX_BYTES", "StateBuffer", "StateTransferError", "broadcast_state", "capture",
-           "checksum", "flatten", "recv_state", "recv_tensor", "restore", "send_state", "send_tensor", "unflatten",
+           "checksum", "flatten", "from_peer", "recv_state", "recv_tensor", "restore", "send_state", "send_tensor", "unflatten",
            "wire_nbytes"]
 
 MAGIC = int.from_bytes(b"HPSTATE1", "big")
@@ -344,6 +345,17 @@ def send_state(state: Mapping[str, Any], dst: int, group: Any = None, *,
     :func:`wire_nbytes` of the state) the flat buffer is packed there and 2 messages are sent."""
     frames = _encode(state, buffer, in_place)
     _transmit(frames, lambda t: dist.isend(t, dst, group=group).wait(_timeout(group)), dst)
+
+
+@contextlib.contextmanager
+def from_peer(peer: int, what: str) -> Iterator[None]:
+    """Using a state a peer sent (its tensors checked by :func:`recv_state`, its structure not): a message
+    without the fields or types the code reads is a :class:`StateTransferError` (the re-form is retried),
+    never a crash of the receiver."""
+    try:
+        yield
+    except (KeyError, IndexError, TypeError, ValueError, AttributeError) as e:
+        raise StateTransferError(f"rank {peer} sent a malformed {what}: {type(e).__name__}: {e}") from None
 
 
 def send_tensor(t: torch.Tensor, dst: int, group: Any = None) -> None:
