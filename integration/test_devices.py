@@ -10,18 +10,22 @@ import sys
 from pathlib import Path
 
 from hp.checkpointless.events import read_events
+from hp.core.testing import kill_tagged
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_a_spare_has_its_own_device_and_its_replacement_takes_the_dead_rank_s(tmp_path):
     kill = json.dumps([{"at_step": 3, "phase": "allreduce", "kind": "kill", "rank": 1}])
-    done = subprocess.run(
-        [sys.executable, "-m", "hp.core.cli", "run", "--nproc-per-node", "2", "--spares", "1", "--replenish-spares",
-         "--log-dir", str(tmp_path / "logs"), "--tee", "0", "-m", "hp.checkpointless.demo.train", "--steps", "40",
-         "--corpus-mb", "1"],
-        cwd=ROOT, env={**os.environ, "HP_DATA_CACHE_DIR": str(tmp_path), "HP_FAULTS": kill},
-        capture_output=True, text=True, timeout=300)
+    env = {**os.environ, "HP_DATA_CACHE_DIR": str(tmp_path), "HP_FAULTS": kill, "HP_TEST_DIR": str(tmp_path)}
+    try:
+        done = subprocess.run(
+            [sys.executable, "-m", "hp.core.cli", "run", "--nproc-per-node", "2", "--spares", "1", "--replenish-spares",
+             "--log-dir", str(tmp_path / "logs"), "--tee", "0", "-m", "hp.checkpointless.demo.train", "--steps", "40",
+             "--corpus-mb", "1"],
+            cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    finally:  # nothing of the job outlives the test, even on a timeout
+        kill_tagged(f"HP_TEST_DIR={tmp_path}")
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     ready = {e["spare"]: e["local_rank"] for e in read_events(str(tmp_path / "logs" / "events"))
              if e["event"] == "spare_ready"}
