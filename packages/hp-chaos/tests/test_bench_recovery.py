@@ -29,7 +29,7 @@ def test_bench_recovery_every_variant_three_faults_one_rank_per_core(tmp_path):
         left = tagged_pids(tag)  # no launcher, worker, spare or Lighthouse may outlive the bench
     finally:
         kill_tagged(tag)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert out.returncode == 0, out.stderr[-6000:]  # names each run that broke, with its error's last lines
     assert left == []
     r = json.loads(out.stdout.strip().splitlines()[-1])
     assert r["benchmark"] == "recovery" and r["definition_version"] == 2

@@ -360,6 +360,11 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any]:
                 monitor = v.removeprefix("nvrx_")
                 _log(f"NVRx in-process restart ({monitor} monitor intervals): faulted job {i + 1}/{cfg.repeats}")
                 runs[v].append(nvrx_bench.run_nvrx(cfg, os.path.join(root, f"{v}-{i}"), _log, monitor))
+    for v, vruns in runs.items():  # say which run broke and why (the JSON line is long; its end shows neither)
+        for i, r in enumerate(vruns):
+            if not r.get("completed"):
+                tail = (r.get("error") or r.get("error_tail") or "no error recorded").strip().splitlines()[-5:]
+                _log(f"{v}: faulted job {i + 1}/{cfg.repeats} did not complete: " + " | ".join(tail))
     variants: dict[str, Any] = {v: aggregate(r) for v, r in runs.items()}
     variants.update({v: {"skipped": why} for v, why in skipped.items()})
     hp = variants.get("hp", {})
