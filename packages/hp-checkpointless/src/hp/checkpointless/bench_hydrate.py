@@ -12,7 +12,9 @@ code a re-form runs), from both processes leaving a barrier to the receiver's st
   between two nodes.
 
 ``floor_s`` is a memcpy of the same number of bytes into memory allocated and faulted in beforehand, in
-the source process, timed in the same run. ``shm_of_floor`` = the floor's throughput / shm's (the issue's
+the source process, timed in the same run. With ``--device cuda`` both processes keep the state on the
+node's first GPU (what a spare on the same node as its source does: no nccl, the state staged through host
+memory) and ``staging_s`` is that copy's floor: the same bytes from the GPU to pinned host memory and back. ``shm_of_floor`` = the floor's throughput / shm's (the issue's
 goal: >= 0.5). Modes alternate (shm, tcp, floor, then reversed). The state's checksums match after every
 transfer (the receiver's state digest against the source's), or the run fails.
 """
@@ -43,6 +45,7 @@ class HydrateBenchConfig:
     model_size: str = "25m"
     vocab: int = 8192
     repeats: int = 5
+    device: str = "cpu"
     timeout_s: float = 600.0
 
     def check(self) -> None:
@@ -52,6 +55,17 @@ class HydrateBenchConfig:
             raise UsageError(f"--model-size must be one of {sorted(MODEL_SIZES)}, got {self.model_size!r}")
         if self.repeats < 1 or self.vocab < 256:
             raise UsageError(f"--repeats must be >= 1 and --vocab >= 256, got {self.repeats} and {self.vocab}")
+        if self.device not in ("cpu", "cuda"):
+            raise UsageError(f"--device must be cpu or cuda, got {self.device!r}")
+        if self.device == "cuda":
+            import torch
+
+            if not torch.cuda.is_available():
+                raise UsageError("--device cuda needs a CUDA GPU, and torch.cuda.is_available() is False here")
+
+    @property
+    def modes(self) -> tuple[str, ...]:
+        return (*MODES, "staging") if self.device == "cuda" else MODES
 
 
 def run(cfg: HydrateBenchConfig) -> dict[str, Any]:
@@ -76,12 +90,14 @@ def run(cfg: HydrateBenchConfig) -> dict[str, Any]:
         times = json.loads((Path(tmp) / "times.json").read_text())
     nbytes = times.pop("nbytes")
     result: dict[str, Any] = {"model_size": cfg.model_size, "vocab": cfg.vocab, "repeats": cfg.repeats,
-                              "nbytes": nbytes, "pinned": len(os.sched_getaffinity(0)) >= 2}
-    for mode in MODES:
+                              "device": cfg.device, "nbytes": nbytes, "pinned": len(os.sched_getaffinity(0)) >= 2}
+    for mode in cfg.modes:
         result[f"{mode}_s"] = spread(times[mode])
         result[f"{mode}_gbps"] = round(nbytes / statistics.median(times[mode]) / 1e9, 3)
     result["shm_of_floor"] = round(statistics.median(times["floor"]) / statistics.median(times["shm"]), 3)
     result["tcp_of_floor"] = round(statistics.median(times["floor"]) / statistics.median(times["tcp"]), 3)
+    if cfg.device == "cuda":
+        result["shm_of_staging"] = round(statistics.median(times["staging"]) / statistics.median(times["shm"]), 3)
     return bench.stamp(result)
 
 
@@ -108,7 +124,7 @@ def _worker(rank: int, port: int, out: Path, cfg: HydrateBenchConfig) -> None:
 
     def training_state() -> TrainingState:
         torch.manual_seed(0)
-        model = build_model(cfg.model_size, vocab=cfg.vocab, seq=64)
+        model = build_model(cfg.model_size, vocab=cfg.vocab, seq=64).to(cfg.device)
         return TrainingState(model, torch.optim.AdamW(model.parameters(), lr=1e-3))
 
     source = None
@@ -121,16 +137,13 @@ def _worker(rank: int, port: int, out: Path, cfg: HydrateBenchConfig) -> None:
     dist.all_reduce(nbytes)
     nbytes = int(nbytes)
     events = EventLog(None, f"rank{rank}")
-    times: dict[str, list[float]] = {m: [] for m in MODES}
+    times: dict[str, list[float]] = {m: [] for m in cfg.modes}
+    floors = [m for m in cfg.modes if m not in ("shm", "tcp")]
     for repeat in range(cfg.repeats):
-        for mode in (MODES if repeat % 2 == 0 else MODES[::-1]):
-            if mode == "floor":  # the source process: one contiguous copy into memory faulted in before
+        for mode in (cfg.modes if repeat % 2 == 0 else cfg.modes[::-1]):
+            if mode in floors:  # the source process: contiguous copies into memory allocated before
                 if rank == 0:
-                    src, dst = torch.ones(nbytes, dtype=torch.uint8), torch.zeros(nbytes, dtype=torch.uint8)
-                    start = time.perf_counter()
-                    dst.copy_(src)
-                    times["floor"].append(time.perf_counter() - start)
-                    del src, dst
+                    times[mode].append(_floor(mode, nbytes, cfg.device))
                 dist.barrier()
                 continue
             st = source if rank == 0 else training_state()
@@ -156,14 +169,37 @@ def _worker(rank: int, port: int, out: Path, cfg: HydrateBenchConfig) -> None:
             dist.broadcast(theirs, 0)
             if not torch.equal(mine, theirs):
                 raise RuntimeError(f"the {mode} hydration delivered another optimizer state than the source's")
+    for mode in floors:
+        if rank == 1:
+            floor = torch.zeros(cfg.repeats, dtype=torch.float64)
+            dist.recv(floor, 0)
+            times[mode] = floor.tolist()
+        else:
+            dist.send(torch.tensor(times[mode], dtype=torch.float64), 1)
     if rank == 1:
-        floor = torch.zeros(cfg.repeats, dtype=torch.float64)
-        dist.recv(floor, 0)
-        times["floor"] = floor.tolist()
         (out / "times.json").write_text(json.dumps({"nbytes": nbytes, **times}))
-    else:
-        dist.send(torch.tensor(times["floor"], dtype=torch.float64), 1)
     dist.destroy_process_group()
+
+
+def _floor(mode: str, nbytes: int, device: str) -> float:
+    """Seconds of one floor copy of ``nbytes``: ``floor``, host memory to host memory; ``staging``, the
+    GPU's memory to pinned host memory and back (the least a hydration staged through the host costs)."""
+    import torch
+
+    if mode == "floor":
+        src, dst = torch.ones(nbytes, dtype=torch.uint8), torch.zeros(nbytes, dtype=torch.uint8)
+        start = time.perf_counter()
+        dst.copy_(src)
+        return time.perf_counter() - start
+    gpu = torch.ones(nbytes, dtype=torch.uint8, device=device)
+    back = torch.zeros_like(gpu)
+    host = torch.zeros(nbytes, dtype=torch.uint8, pin_memory=True)
+    torch.cuda.synchronize()
+    start = time.perf_counter()
+    host.copy_(gpu)
+    back.copy_(host)
+    torch.cuda.synchronize()
+    return time.perf_counter() - start
 
 
 # ---- the command ----------------------------------------------------------------------------------
@@ -172,24 +208,28 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model-size", default=d.model_size, help="tiny | small | 25m (~328 MB with AdamW)")
     p.add_argument("--vocab", type=int, default=d.vocab)
     p.add_argument("--repeats", type=int, default=d.repeats)
+    p.add_argument("--device", default=d.device, help="cpu | cuda (the state on the node's first GPU)")
     p.add_argument("--out", default=None, help="also write the result JSON here")
     p.add_argument("--json", action="store_true", help="last stdout line: one JSON object")
 
 
 def format_table(r: dict[str, Any]) -> str:
-    lines = [f"hp bench hydrate: {r['model_size']}, {r['nbytes'] / 1e6:.0f} MB, 2 processes on one node "
-             f"{'pinned one per core' if r['pinned'] else 'NOT pinned'}, {r['repeats']} repeats"]
-    for mode in MODES:
+    lines = [f"hp bench hydrate: {r['model_size']}, {r['nbytes'] / 1e6:.0f} MB on {r['device']}, 2 processes on one "
+             f"node {'pinned one per core' if r['pinned'] else 'NOT pinned'}, {r['repeats']} repeats"]
+    for mode in [m for m in (*MODES, "staging") if f"{m}_s" in r]:
         s = r[f"{mode}_s"]
         lines.append(f"{mode:6} {s['median'] * 1e3:8.1f} ms [{s['min'] * 1e3:.1f}-{s['max'] * 1e3:.1f}]  "
                      f"{r[f'{mode}_gbps']:.2f} GB/s")
     lines.append(f"shm hydration at {r['shm_of_floor']:.0%} of the memcpy floor's throughput "
                  f"(tcp: {r['tcp_of_floor']:.0%})")
+    if "shm_of_staging" in r:
+        lines.append(f"shm hydration at {r['shm_of_staging']:.0%} of the GPU-host-GPU staging floor's throughput")
     return "\n".join(lines)
 
 
 def run_cli(args: argparse.Namespace) -> int:
-    result = run(HydrateBenchConfig(model_size=args.model_size, vocab=args.vocab, repeats=args.repeats))
+    result = run(HydrateBenchConfig(model_size=args.model_size, vocab=args.vocab, repeats=args.repeats,
+                                    device=args.device))
     return report(result, format_table(result), args)
 
 

@@ -13,15 +13,22 @@ from hp.core.hookspecs import hookimpl
 
 def _demo(args: argparse.Namespace) -> int:
     from hp.checkpointless.demo.run import DemoConfig, format_table, run_demo
+    from hp.core.plugins import get_backend
 
-    if args.nproc < 2 or not 0 <= args.fault_rank < args.nproc:
-        raise UsageError("--nproc must be >= 2 and --fault-rank in [0, nproc)")
+    if args.fault_rank is None:
+        args.fault_rank = min(1, args.nproc - 1)
+    if args.nproc < 1 or not 0 <= args.fault_rank < args.nproc:
+        raise UsageError("--nproc must be >= 1 and --fault-rank in [0, nproc)")
+    if args.nproc == 1 and args.fault != "exception":
+        raise UsageError(f"--nproc 1 recovers only from --fault exception: a lone rank's {args.fault} leaves no "
+                         "peer holding its state")
     if args.steps < 4 or args.spares < 0:
         raise UsageError("--steps must be >= 4 and --spares >= 0")
+    get_backend("transport", args.transport).check_available()  # nccl without CUDA: one line, nothing started
     cfg = DemoConfig(fault=args.fault, phase=args.phase, steps=args.steps, fault_step=args.fault_step,
                      fault_rank=args.fault_rank, nproc=args.nproc, spares=args.spares,
                      model_size=args.model_size, hang_timeout_s=args.hang_timeout, log_dir=args.log_dir,
-                     train_args=_train_args(args))
+                     train_args=_train_args(args), transport=args.transport)
     result = run_demo(cfg)
     print(format_table(result))
     if result.get("error_tail"):
@@ -51,7 +58,7 @@ def hp_cli_commands(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--phase", choices=PHASES[:-1], default="allreduce", help="step phase the fault hits")
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--fault-step", type=int, default=None, help="default: the middle of the run")
-    p.add_argument("--fault-rank", type=int, default=1)
+    p.add_argument("--fault-rank", type=int, default=None, help="default: 1 (0 with --nproc 1)")
     p.add_argument("--nproc", type=int, default=4)
     p.add_argument("--spares", type=int, default=1)
     p.add_argument("--model-size", choices=sorted(MODEL_SIZES), default="tiny")
@@ -62,6 +69,8 @@ def hp_cli_commands(subparsers: argparse._SubParsersAction) -> None:
                    help="shard the model with FSDP2 over every rank (shards and their gradients copied to a buddy rank)")
     p.add_argument("--hsdp", type=int, default=0, metavar="R",
                    help="HSDP: R replica groups, FSDP2 within each (a lost shard comes from its replica group)")
+    p.add_argument("--transport", choices=("gloo", "nccl"), default="gloo",
+                   help="nccl: one GPU per rank, the model and its state on cuda:LOCAL_RANK")
     p.add_argument("--log-dir", default=None)
     p.add_argument("--json", action="store_true", help="last stdout line: one JSON object")
     p.set_defaults(handler=_demo)

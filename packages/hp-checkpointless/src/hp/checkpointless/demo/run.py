@@ -1,6 +1,7 @@
 """`hp demo`: the fault-free reference and the same job with one fault, compared bit for bit.
 
-Both runs are real `hp run` jobs (agent, controller, 4 workers + 1 hot spare on CPU gloo). What the
+Both runs are real `hp run` jobs (agent, controller, by default 4 workers + 1 hot spare on CPU gloo; with
+``--transport nccl`` one GPU per rank). What the
 report says comes from the jobs' own event logs (:mod:`hp.checkpointless.events`): losses as exact
 float bits, and the timeline of the recovery.
 """
@@ -28,6 +29,7 @@ class DemoConfig:
     fault_rank: int = 1
     nproc: int = 4
     spares: int = 1
+    transport: str = "gloo"  # nccl: the model, batches and gradients on cuda:LOCAL_RANK
     model_size: str = "tiny"
     hang_timeout_s: float = 2.0
     corpus_mb: int = 16
@@ -75,7 +77,7 @@ def job_command(cfg: DemoConfig, log_dir: str, agent_flags: Sequence[str] = ()) 
     multi-node ones of the chaos harness)."""
     return [
         sys.executable, "-m", "hp.core.cli", "run", *agent_flags,
-        "--nproc-per-node", str(cfg.nproc), "--spares", str(cfg.spares),
+        "--nproc-per-node", str(cfg.nproc), "--spares", str(cfg.spares), "--transport", cfg.transport,
         "--monitor-interval", "0.02", "--hang-timeout", str(cfg.hang_timeout_s),
         "--max-restarts", str(cfg.max_restarts),
         "--log-dir", log_dir, "--tee", "0",
@@ -234,6 +236,7 @@ def run_demo(cfg: DemoConfig) -> dict:
         "steps": cfg.steps,
         "world_size": cfg.nproc,
         "spares": cfg.spares,
+        "transport": cfg.transport,
         "fault": fault,
         "model_size": cfg.model_size,
         "step_time_s": step_time(reference),
@@ -258,7 +261,8 @@ def run_demo(cfg: DemoConfig) -> dict:
 def format_table(r: dict) -> str:
     f = r["fault"]
     rows = [
-        ("job", f"{r['world_size']} workers + {r['spares']} spare, {r['steps']} steps, model {r['model_size']}, gloo"),
+        ("job", (f"{r['world_size']} workers + {r['spares']} spare, {r['steps']} steps, model {r['model_size']}, "
+                 f"{r['transport']}")),
         ("fault", f"{f['kind']} of rank {f['rank']} at step {f['at_step']} ({f['phase']})"),
         ("completed", "yes" if r["completed"] else "NO"),
         ("step time (reference)", f"{r['step_time_s'] * 1000:.0f} ms"),

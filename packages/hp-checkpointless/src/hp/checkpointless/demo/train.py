@@ -74,7 +74,8 @@ def main(ctx) -> None:
     # FSDP2/HSDP: the mesh first (a hot spare waits there for its rank: its shards depend on it)
     mesh = ctx.device_mesh(replicate=max(args.hsdp, 1)) if args.fsdp or args.hsdp else None
     torch.manual_seed(args.seed)
-    model = build_model(args.model_size, args.vocab, args.seq, args.dropout)
+    device = ctx.device  # the transport's device for this process (cpu on gloo, cuda:LOCAL_RANK on nccl)
+    model = build_model(args.model_size, args.vocab, args.seq, args.dropout).to(device)
     def make_scheduler(optimizer):
         return torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=args.steps)
 
@@ -98,7 +99,7 @@ def main(ctx) -> None:
     replacement = os.environ.get("HP_ROLE") == "spare" or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0"
     for step in ctx.steps(args.steps):
         with step:
-            x, y = batches.get(step, ctx.rank, ctx.world_size)
+            x, y = (t.to(device) for t in batches.get(step, ctx.rank, ctx.world_size))
             loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
             loss.backward()
             ctx.commit(loss)
