@@ -2,11 +2,12 @@
 # The checks a lent GPU machine runs (issue #16), as one script: that machine has no network and a python3
 # with a CUDA torch, so the five distributions are installed --no-deps into a scratch folder. Then:
 #   the tests marked `gpu`; `hp demo` on nccl with the model on the GPU (one GPU: one rank, which recovers
-#   from an exception in process; replicated and FSDP2); `hp bench hydrate --device cuda`; and, on that
-#   machine's 16 cores, `hp bench hydrate` on the CPU and `hp demo --fsdp` / `--hsdp 2` over gloo with one
-#   rank per core.
+#   from an exception in process; replicated and ZeRO-1: FSDP2 needs a torch with reset_iter_state);
+#   scripts/gpu_probe.py (where the nccl abort and the GPU-to-shared-memory copy spend their time);
+#   `hp bench hydrate --device cuda`; and, on that machine's 16 cores, `hp bench hydrate` on the CPU and
+#   `hp demo --fsdp` / `--hsdp 2` over gloo with one rank per core.
 # Every step's log goes to $OUT/gpu.log and each JSON result line to $OUT/gpu.jsonl, as {"step": ..., ...}.
-#   usage: OUT=/some/dir bash scripts/gpu_check.sh          (PY=python3 by default)
+#   usage: OUT=/some/dir [ONLY="tests nccl probe hydrate cpu16"] bash scripts/gpu_check.sh   (PY=python3 by default)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$(mktemp -d)}
@@ -53,14 +54,31 @@ say "== machine"
 export PYTHONPATH=$SITE
 HP=("$PY" -m hp.core.cli)
 
-step gpu_tests 240 "$PY" -m pytest -m gpu -q -p no:xdist packages/hp-checkpointless/tests/test_devices_state.py \
-  packages/hp-checkpointless/tests/test_bench_hydrate.py
-for flags in "" "--fsdp"; do
-  step "demo_nccl${flags//-/_}" 240 "${HP[@]}" demo --transport nccl --nproc 1 --spares 0 --fault exception \
-    --phase backward --model-size 25m --steps 20 $flags --json
-done
-step hydrate_cuda 240 "${HP[@]}" bench hydrate --device cuda --json
-step hydrate_cpu16 240 "${HP[@]}" bench hydrate --json
-step demo_fsdp_cpu16 300 "${HP[@]}" demo --fsdp --json
-step demo_hsdp_cpu16 300 "${HP[@]}" demo --hsdp 2 --json
+want() { [[ -z ${ONLY:-} || " $ONLY " == *" $1 "* ]]; }  # ONLY="probe nccl": just those groups
+
+if want tests; then
+  step gpu_tests 240 "$PY" -m pytest -m gpu -q -p no:xdist packages/hp-checkpointless/tests/test_devices_state.py \
+    packages/hp-checkpointless/tests/test_bench_hydrate.py
+fi
+if want nccl; then  # one GPU: one rank, recovering in process; 3 faults in backward for the spread
+  for i in 1 2 3; do
+    step "demo_nccl_$i" 240 "${HP[@]}" demo --transport nccl --nproc 1 --spares 0 --fault exception \
+      --phase backward --model-size 25m --steps 16 --json
+  done
+  step demo_nccl_allreduce 240 "${HP[@]}" demo --transport nccl --nproc 1 --spares 0 --fault exception \
+    --phase allreduce --model-size 25m --steps 16 --json
+  step demo_nccl_zero 240 "${HP[@]}" demo --transport nccl --nproc 1 --spares 0 --fault exception \
+    --phase backward --model-size 25m --steps 16 --zero --json
+fi
+if want probe; then
+  step probe 240 "$PY" scripts/gpu_probe.py
+fi
+if want hydrate; then
+  step hydrate_cuda 240 "${HP[@]}" bench hydrate --device cuda --json
+  step hydrate_cpu16 240 "${HP[@]}" bench hydrate --json
+fi
+if want cpu16; then  # FSDP2/HSDP over gloo, one rank per core (FSDP2 recovery needs torch's reset_iter_state)
+  step demo_fsdp_cpu16 300 "${HP[@]}" demo --fsdp --json
+  step demo_hsdp_cpu16 300 "${HP[@]}" demo --hsdp 2 --json
+fi
 say "== done"
