@@ -46,6 +46,16 @@ def test_demo_json_reports_a_bit_identical_recovery(tmp_path):
     assert 0 < result["recovery_s"] < 30  # a hang guard; the measured figure is the demo's output
     assert set(result["phases"]) == {"detect", "abort", "spare_attach", "pg_init", "hydrate", "replay"}
     assert "losses bit-identical             yes (12 steps, every rank's own loss and the global mean)" in out.stdout
+    # the spare hydrated from rank 0 of its node, once: through its shared buffer if it had made one by then
+    # (12 steps of the tiny model leave it ~0.3 s after the first commit: often not), mapped early if rank 0
+    # had seen it offered; the demo says which, and no offer is left behind
+    from hp.checkpointless.events import read_events
+
+    sent = [e for e in read_events(str(tmp_path / "logs" / "faulted" / "events")) if e["event"] == "hydration_sent"]
+    assert [(e["rank"], e["to"]) for e in sent] == [(0, 1)], sent
+    assert result["hydrations"] == [sent[0]["how"]] and sent[0]["how"] in ("premapped", "shm", "transport")
+    offers = tmp_path / "logs" / "faulted" / "offers"
+    assert not offers.exists() or list(offers.iterdir()) == []
 
 
 def test_plain_ddp_example_runs_under_hp_run(tmp_path):

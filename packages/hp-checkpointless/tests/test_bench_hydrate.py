@@ -28,12 +28,14 @@ def test_bench_hydrate_json_has_every_mode_its_throughput_and_the_ratio_to_the_f
     r = json.loads(done.stdout.strip().splitlines()[-1])
     assert r == json.loads(out.read_text())
     assert r["benchmark"] == "hydrate" and r["nbytes"] > 1_000_000 and r["pinned"] is True and r["device"] == device
-    modes = ("shm", "tcp", "floor", "staging") if device == "cuda" else ("shm", "tcp", "floor")
+    modes = ("shm", "premapped", "tcp", "floor", *(("staging",) if device == "cuda" else ()))
     for mode in modes:
         s = r[f"{mode}_s"]
         assert s["n"] == 2 and s["median"] == statistics.median(s["values"]) > 0
         assert r[f"{mode}_gbps"] == round(r["nbytes"] / s["median"] / 1e9, 3)
     assert r["shm_of_floor"] == round(r["floor_s"]["median"] / r["shm_s"]["median"], 3)
+    assert r["premapped_of_floor"] == round(r["floor_s"]["median"] / r["premapped_s"]["median"], 3)
+    assert r["definition_version"] == 2
     assert "of the memcpy floor's throughput" in done.stdout
     assert ("staging_s" in r) is (device == "cuda")
 

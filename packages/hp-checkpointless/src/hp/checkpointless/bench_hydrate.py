@@ -7,7 +7,10 @@ Each repeat times the hydration the runtime does (:func:`hp.checkpointless.hydra
 code a re-form runs), from both processes leaving a barrier to the receiver's state being restored:
 
 * ``shm``: the receiver's buffer is shared memory and the source packs the state straight into it
-  (:mod:`hp.checkpointless.shm`; skeleton and header over gloo);
+  (:mod:`hp.checkpointless.shm`; skeleton and header over gloo), mapping it when the failure comes;
+* ``premapped``: the same, with the buffer mapped by the source before the failure, as a job's sources
+  do once a spare has offered it (:mod:`hp.checkpointless.premap`: the offer file, the background
+  mapping, taken by the hydration), waited for before the timer starts;
 * ``tcp``: the same state over gloo (header, skeleton and the flat buffer, CRC-checked on both sides), as
   between two nodes.
 
@@ -15,13 +18,14 @@ code a re-form runs), from both processes leaving a barrier to the receiver's st
 the source process, timed in the same run. With ``--device cuda`` both processes keep the state on the
 node's first GPU (what a spare on the same node as its source does: no nccl, the state staged through host
 memory) and ``staging_s`` is that copy's floor: the same bytes from the GPU to pinned host memory and back. ``shm_of_floor`` = the floor's throughput / shm's (the issue's
-goal: >= 0.5). Modes alternate (shm, tcp, floor, then reversed). The state's checksums match after every
+goal: >= 0.5), ``premapped_of_floor`` the same for ``premapped``. Modes alternate (shm, tcp, floor, then reversed). The state's checksums match after every
 transfer (the receiver's state digest against the source's), or the run fails.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -36,8 +40,8 @@ from typing import Any
 from hp.core.benchmeta import BenchRun, module_main, report, spread
 from hp.core.errors import UsageError
 
-MODES = ("shm", "tcp", "floor")
-DEFINITION_VERSION = 1
+MODES = ("shm", "premapped", "tcp", "floor")
+DEFINITION_VERSION = 2  # 2: the premapped mode
 
 
 @dataclass
@@ -95,6 +99,7 @@ def run(cfg: HydrateBenchConfig) -> dict[str, Any]:
         result[f"{mode}_s"] = spread(times[mode])
         result[f"{mode}_gbps"] = round(nbytes / statistics.median(times[mode]) / 1e9, 3)
     result["shm_of_floor"] = round(statistics.median(times["floor"]) / statistics.median(times["shm"]), 3)
+    result["premapped_of_floor"] = round(statistics.median(times["floor"]) / statistics.median(times["premapped"]), 3)
     result["tcp_of_floor"] = round(statistics.median(times["floor"]) / statistics.median(times["tcp"]), 3)
     if cfg.device == "cuda":
         result["shm_of_staging"] = round(statistics.median(times["staging"]) / statistics.median(times["shm"]), 3)
@@ -112,11 +117,12 @@ def _worker(rank: int, port: int, out: Path, cfg: HydrateBenchConfig) -> None:
     import torch.distributed as dist
 
     from hp.checkpointless import hydration, shm
+    from hp.checkpointless.premap import Premaps
     from hp.checkpointless.demo.model import build_model
     from hp.checkpointless.events import EventLog
     from hp.checkpointless.registry import TrainingState, digest
     from hp.checkpointless.sharded import Versions
-    from hp.checkpointless.state import StateBuffer, wire_nbytes
+    from hp.checkpointless.state import StateBuffer, place_parameters, wire_nbytes
 
     torch.set_num_threads(1)
     store = dist.TCPStore("127.0.0.1", port, 2, rank == 0, timeout=timedelta(seconds=120))
@@ -137,8 +143,10 @@ def _worker(rank: int, port: int, out: Path, cfg: HydrateBenchConfig) -> None:
     dist.all_reduce(nbytes)
     nbytes = int(nbytes)
     events = EventLog(None, f"rank{rank}")
+    premaps = Premaps(str(out / "offers"))  # the node's offers folder
+    premaps.active = rank == 0
     times: dict[str, list[float]] = {m: [] for m in cfg.modes}
-    floors = [m for m in cfg.modes if m not in ("shm", "tcp")]
+    floors = [m for m in cfg.modes if m not in ("shm", "premapped", "tcp")]
     for repeat in range(cfg.repeats):
         for mode in (cfg.modes if repeat % 2 == 0 else cfg.modes[::-1]):
             if mode in floors:  # the source process: contiguous copies into memory allocated before
@@ -149,19 +157,32 @@ def _worker(rank: int, port: int, out: Path, cfg: HydrateBenchConfig) -> None:
             st = source if rank == 0 else training_state()
             if rank == 1:  # a promoted spare: its receive buffer allocated and faulted in while it waited
                 size = -(-(nbytes + (nbytes >> 6)) // 64) * 64
-                if mode == "shm":
+                if mode != "tcp":
                     st.receive_shared = shm.SharedBuffer.create(size)
                     data = st.receive_shared.tensor
+                    if mode == "premapped":
+                        premaps.offer("n0s0", st.receive_shared)
                 else:
                     data = torch.zeros(size, dtype=torch.uint8)
                 st.receive_buffer = StateBuffer(None, data)
+                place_parameters(st.model, data)  # as Formation does for a spare while it waits
+            dist.barrier()  # offered
+            if rank == 0:  # a source's step boundaries after the offer: the buffer mapped in the background
+                st.premaps = premaps if mode != "tcp" else None  # shm: no offer seen before the failure
+                if mode == "premapped":
+                    premaps.poll()
+                    if premaps.wait_mapped(60) != 1:
+                        raise RuntimeError("the spare's offered buffer was not mapped")
             a = hydration.Agreement(1, 0, source=0, behind=[1], versions=Versions([0, -1], [-1] * 2, [-1] * 2, [-1] * 2),
-                                    nodes=(0, 0) if mode == "shm" else (0, 1))
+                                    nodes=(0, 1) if mode == "tcp" else (0, 0))
+            gc.collect()  # the last repeat's state is garbage here (a spare collects while it waits: Formation)
             dist.barrier()
             start = time.perf_counter()
             hydration.replicated(st, a, rank, events)
             if rank == 1:
                 times[mode].append(time.perf_counter() - start)
+                if mode == "premapped":
+                    premaps.withdraw("n0s0")
             captured = st.capture()
             mine = torch.tensor(list(bytes.fromhex(digest({k: captured[k] for k in ("model", "optimizer")}))),
                                 dtype=torch.int64)
@@ -169,6 +190,8 @@ def _worker(rank: int, port: int, out: Path, cfg: HydrateBenchConfig) -> None:
             dist.broadcast(theirs, 0)
             if not torch.equal(mine, theirs):
                 raise RuntimeError(f"the {mode} hydration delivered another optimizer state than the source's")
+            if rank == 0:
+                premaps.poll()  # the source's next step boundary: it unmaps what it packed into
     for mode in floors:
         if rank == 1:
             floor = torch.zeros(cfg.repeats, dtype=torch.float64)
@@ -220,8 +243,8 @@ def format_table(r: dict[str, Any]) -> str:
         s = r[f"{mode}_s"]
         lines.append(f"{mode:6} {s['median'] * 1e3:8.1f} ms [{s['min'] * 1e3:.1f}-{s['max'] * 1e3:.1f}]  "
                      f"{r[f'{mode}_gbps']:.2f} GB/s")
-    lines.append(f"shm hydration at {r['shm_of_floor']:.0%} of the memcpy floor's throughput "
-                 f"(tcp: {r['tcp_of_floor']:.0%})")
+    lines.append(f"shm hydration at {r['shm_of_floor']:.0%} of the memcpy floor's throughput, "
+                 f"{r['premapped_of_floor']:.0%} premapped (tcp: {r['tcp_of_floor']:.0%})")
     if "shm_of_staging" in r:
         lines.append(f"shm hydration at {r['shm_of_staging']:.0%} of the GPU-host-GPU staging floor's throughput")
     return "\n".join(lines)

@@ -8,6 +8,7 @@ process died is reported to the controller, since no agent will (DESIGN.md lesso
 
 from __future__ import annotations
 
+import gc
 import os
 import sys
 from collections.abc import Callable
@@ -93,6 +94,8 @@ class Formation:
             self._events.record(Event.SPARE_READY_UNREPORTED, spare=self.spare_id, error=str(e)[:300])
         idle = (lambda view: self._prepare_receive_buffer(st, view)) if st is not None else None
         self.rank, self._assigned = membership.wait_for_assignment(self._view, self.spare_id, on_idle=idle)
+        if st is not None and st.premaps is not None:  # a rank now: what it offered stays mapped where it was
+            st.premaps.withdraw(self.spare_id)
         self._events.record(Event.ASSIGNED, spare=self.spare_id, rank=self.rank, generation=self._assigned)
         return self.rank
 
@@ -114,7 +117,12 @@ class Formation:
         except OSError:
             data = torch.zeros(size, dtype=torch.uint8)
         st.receive_buffer = state.StateBuffer(None, data)
-        self._events.record(Event.RECEIVE_BUFFER_READY, nbytes=nbytes, shared=st.receive_shared is not None)
+        placed = state.place_parameters(st.model, data)  # where the hydration will write them: adopted, not copied
+        if st.receive_shared is not None and st.premaps is not None:  # for its node's sources to map it now
+            st.premaps.offer(self.spare_id, st.receive_shared)
+        self._events.record(Event.RECEIVE_BUFFER_READY, nbytes=nbytes, shared=st.receive_shared is not None,
+                            placed=placed)
+        gc.collect()  # the garbage of building the model and moving its parameters: freed now, not in a hydration
 
     def publish_state_size(self, st: TrainingState) -> None:
         """Rank 0, once: the size of a full hydration, so that spares pre-fault a receive buffer of it."""
@@ -278,6 +286,8 @@ class Formation:
             sh.set_ring(ring if same else replicas.node_ring(info[6].tolist()))
         elif fs is not None and fs.buddies:
             fs.ring = ring if same else replicas.node_ring(info[6].tolist())
+        if st.premaps is not None:  # the two lowest ranks of each node map its spares' buffers early
+            st.premaps.active = sh is None and fs is None and self.rank in agreement.node_sources(self.rank)
         if agreement.behind:
             self._fire(newest, "hydration")
         st.samples, st.world = int(info[8, source]), int(info[9, source])  # what the hydrated state is at

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 from hp.checkpointless import fsdp, reshard, sharded, shm, state
 from hp.checkpointless.events import EventLog
+from hp.checkpointless.premap import Premaps
 from hp.checkpointless.registry import TrainingState
 from hp.checkpointless.transaction import StepTransaction
 from hp.core.protocol import Event
@@ -57,6 +58,13 @@ class Agreement:
                     return r
         return self.source
 
+    def node_sources(self, rank: int, count: int = 2) -> tuple[int, ...]:
+        """The ``count`` lowest ranks on ``rank``'s node: where a same-node hydration on it comes from
+        unless all of them are behind (:mod:`hp.checkpointless.premap` maps spares' buffers there)."""
+        if not self.nodes:
+            return ()
+        return tuple(r for r, n in enumerate(self.nodes) if n == self.nodes[rank])[:count]
+
     def resharding(self, world: int) -> bool:
         """Whether optimizer shards move: another world size, or a survivor with another rank."""
         return self.previous_world >= 0 and (self.previous_world != world or any(
@@ -71,11 +79,15 @@ def replicated(st: TrainingState, a: Agreement, rank: int, events: EventLog) -> 
         source = a.source_for(r)
         if rank == source:
             captured = st.capture()
-            target = _attach_offer(r, captured) if a.same_node(source, r) else None
+            target = _attach_offer(r, captured, st.premaps) if a.same_node(source, r) else None
             try:
                 state.send_state(captured, r, in_place=None if target is None else target.tensor)
+                how = "transport" if target is None else "premapped" if target.early else "shm"
+                events.record(Event.HYDRATION_SENT, rank=rank, to=r, how=how, generation=a.generation)
             finally:
-                if target is not None:
+                if target is not None and st.premaps is not None:
+                    st.premaps.hold(target)  # unmapped at the next step boundary (premap.Premaps.hold)
+                elif target is not None:
                     target.close()
         elif rank == r:
             # in place into our own tensors when the layouts match; a fresh process's optimizer
@@ -91,19 +103,24 @@ def replicated(st: TrainingState, a: Agreement, rank: int, events: EventLog) -> 
                 if shared is not None:  # offered once: a retry of this hydration goes over the transport
                     shared.received()
                     st.receive_shared = None
-            st.receive_buffer = None  # the optimizer now owns those bytes: never receive into them again
-            st.restore(received)
+            st.receive_buffer = None  # the optimizer and the parameters now own those bytes: never receive into them again
+            st.restore(received, adopt=not has_state)
             _hydrated(st, a, rank, events, source)
 
 
-def _attach_offer(receiver: int, captured: dict) -> shm.SharedBuffer | None:
+def _attach_offer(receiver: int, captured: dict, premaps: Premaps | None) -> shm.SharedBuffer | None:
     """The source's side of a same-node hydration: the receiver's offer, attached when it is one (else the
-    state goes over the transport: a receiver with state of its own, or a buffer this rank cannot use)."""
+    state goes over the transport: a receiver with state of its own, or a buffer this rank cannot use);
+    mapped before the failure when this rank saw it offered (:mod:`hp.checkpointless.premap`)."""
     offer = state.recv_tensor(shm.no_offer(), receiver)
     if not shm.offered(offer):
         return None
+    nbytes = state.wire_nbytes(captured)
+    early = premaps.take(offer, nbytes) if premaps is not None else None
+    if early is not None:
+        return early
     try:
-        return shm.SharedBuffer.attach(offer, state.wire_nbytes(captured))
+        return shm.SharedBuffer.attach(offer, nbytes)
     except (OSError, ValueError) as e:
         print(f"hp: hydrating rank {receiver} over the transport: {e}", file=sys.stderr, flush=True)
         return None

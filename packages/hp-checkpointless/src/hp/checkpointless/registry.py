@@ -60,6 +60,7 @@ class TrainingState:
         self.world = 0
         self.receive_buffer: state.StateBuffer | None = None  # a spare's pre-faulted hydration buffer
         self.receive_shared: Any = None  # its memory, when shared with the node (hp.checkpointless.shm.SharedBuffer)
+        self.premaps: Any = None  # the node's offered spare buffers (hp.checkpointless.premap.Premaps); None: none
         self.buffers = [b for _, b in model.named_buffers()]  # every buffer, in module order (read by the transaction)
         self._snapshot = state.StateBuffer(state.flatten(self.buffers)[0]) if self.buffers else None
         self.mark_committed(-1)
@@ -120,8 +121,9 @@ class TrainingState:
         extra = self.extra.state_dict() if self.extra is not None else None
         return state.capture(self.model, self.optimizer, self.scheduler, extra=extra, scaler=self.scaler)
 
-    def restore(self, received: dict) -> None:
-        extra = state.restore(received, self.model, self.optimizer, self.scheduler, scaler=self.scaler)
+    def restore(self, received: dict, adopt: bool = False) -> None:
+        """Load what a peer sent; ``adopt``: the received tensors are this rank's to keep (:func:`state.restore`)."""
+        extra = state.restore(received, self.model, self.optimizer, self.scheduler, scaler=self.scaler, adopt=adopt)
         if self.extra is not None and extra:
             self.extra.load_state_dict(extra)
 

@@ -30,6 +30,7 @@ from hp.checkpointless.faults import FaultPlan
 from hp.checkpointless.formation import Formation
 from hp.checkpointless.group import GroupLink
 from hp.checkpointless.mesh import GenerationMesh, MeshLayout
+from hp.checkpointless.premap import Premaps
 from hp.checkpointless.recovery import CollectiveError, JobEnded, RankState, RecoveryMachine
 from hp.checkpointless.reduction import Reduction
 from hp.checkpointless.registry import TrainingState, warm_optimizer_imports
@@ -108,6 +109,7 @@ class Context:
         self._store = membership.connect_store(*store_addr)
         self._channel = Mirror.from_env(env)  # the node's relay of the membership (hp.core.fanout); None without
         log_dir = env.get("HP_LOG_DIR")
+        self._offers = os.path.join(log_dir, "offers") if log_dir else None  # the node's (hp.checkpointless.premap)
         self.events = EventLog(os.path.join(log_dir, "events") if log_dir else None,
                                f"rank{rank}" if spare_id is None else f"spare-{spare_id}")
         self._faults = FaultPlan.from_env(lambda key: self._store.add(key, 1) == 1, env)
@@ -236,6 +238,7 @@ class Context:
         if st.fsdp is not None and reduction is not None:
             raise UsageError("an FSDP2 model's gradients are reduced by FSDP: pass no reduction=")
         self._training = st
+        st.premaps = Premaps(self._offers) if self._offers else None
         self._tx = StepTransaction(st, self._link.collective, reduction)
         self._on_scale = on_scale
         if st.fsdp is not None:  # gradients land on the sharded parameters without hooks: backward starts here
@@ -322,6 +325,8 @@ class Context:
         self._phase(step, "optimizer")
         self._tx.apply(step, skip)
         st.mark_committed(step)
+        if st.premaps is not None:  # a step boundary: map a same-node spare's buffer before it is needed
+            st.premaps.poll()
         st.samples += self._step_samples  # a skipped step (inf gradients) consumed its samples too
         self._step_done, self.last_loss = True, mean
         if skip:

@@ -5,7 +5,8 @@ over gloo on loopback, against ~11 GB/s for a memcpy). On one node none of that 
 receive buffer (allocated and faulted in while it waits, :meth:`hp.checkpointless.formation.Formation.assign`)
 is anonymous shared memory (``memfd_create``), and a source on the same node maps it through
 ``/proc/<pid>/fd/<fd>`` and packs the state into it: one copy into memory that is already the receiver's,
-which keeps it as its optimizer state. :mod:`hp.checkpointless.state` then sends only the header and the
+which keeps it as its optimizer state (and its parameters: :func:`hp.checkpointless.state.place_parameters`).
+A source that saw the buffer offered maps it before the failure (:mod:`hp.checkpointless.premap`). :mod:`hp.checkpointless.state` then sends only the header and the
 JSON skeleton over the transport, flagged: the buffer is in place. Nothing is left behind: the memory
 goes with the last process mapping it, a SIGKILLed spare's included (no file in ``/dev/shm``).
 
@@ -25,14 +26,24 @@ import stat
 import torch
 
 _FLAGS = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)  # every page mapped at once: faulting them in one by one during the copy costs 3x
+# writable entries made up front (Linux >= 5.14): slower to map than MAP_POPULATE, whose read-only entries
+# fault once more on the first write, but the copy into it then runs at memcpy speed (hp.checkpointless.premap)
+_MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
 
 
 class SharedBuffer:
     """Bytes in shared memory: made (and faulted in) by a receiver, attached by a source on its node."""
 
-    def __init__(self, fd: int, size: int, owned: bool) -> None:
+    def __init__(self, fd: int, size: int, owned: bool, populate_write: bool = False) -> None:
         self.fd, self.size, self._owned = fd, size, owned
-        self._map = mmap.mmap(fd, size, flags=_FLAGS)
+        self.early = False  # a source's mapping made before the failure (hp.checkpointless.premap)
+        self._map = mmap.mmap(fd, size, flags=mmap.MAP_SHARED if populate_write else _FLAGS)
+        if populate_write:
+            try:
+                self._map.madvise(_MADV_POPULATE_WRITE)
+            except OSError:  # an older kernel: populated as any attach is
+                self._map.close()
+                self._map = mmap.mmap(fd, size, flags=_FLAGS)
         self.tensor = torch.frombuffer(self._map, dtype=torch.uint8)  # zero-copy; keeps the mapping alive
 
     @classmethod
@@ -53,9 +64,10 @@ class SharedBuffer:
         return torch.tensor([os.getpid(), self.fd, self.size], dtype=torch.int64)
 
     @classmethod
-    def attach(cls, offer: torch.Tensor, nbytes: int) -> SharedBuffer:
+    def attach(cls, offer: torch.Tensor, nbytes: int, populate_write: bool = False) -> SharedBuffer:
         """The buffer a receiver on this node offered (from the wire). ValueError unless it is a regular
-        file of this user's holding at least ``nbytes``; OSError if it cannot be opened."""
+        file of this user's holding at least ``nbytes``; OSError if it cannot be opened. ``populate_write``:
+        make writable page-table entries now (slower to attach, faster to pack into: a mapping made early)."""
         pid, fd, size = (int(v) for v in offer.tolist())
         if pid <= 0 or fd < 0 or size < nbytes:
             raise ValueError(f"a shared buffer offer of pid {pid}, fd {fd}, {size} bytes for {nbytes} bytes of state")
@@ -64,7 +76,7 @@ class SharedBuffer:
             st = os.fstat(mine)
             if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() or st.st_size < nbytes:
                 raise ValueError(f"/proc/{pid}/fd/{fd} is no shared buffer of this user's of {nbytes} bytes")
-            return cls(mine, st.st_size, owned=False)
+            return cls(mine, st.st_size, owned=False, populate_write=populate_write)
         except BaseException:
             os.close(mine)
             raise

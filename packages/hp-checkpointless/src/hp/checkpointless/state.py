@@ -412,11 +412,22 @@ def capture(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = No
 
 
 def restore(state: Mapping[str, Any], model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
-            scheduler: Any = None, scaler: Any = None) -> dict:
-    """Load a `capture`d state (e.g. from `recv_state`) into live objects; returns its `extra`."""
+            scheduler: Any = None, scaler: Any = None, adopt: bool = False) -> dict:
+    """Load a `capture`d state (e.g. from `recv_state`) into live objects; returns its `extra`.
+
+    ``adopt``: the received tensors are the receiver's to keep (views into its own receive buffer, as the
+    optimizer keeps its state): each parameter of the same shape, dtype and device takes its received
+    tensor as its data instead of a copy of it (the same ``Parameter`` object, hooks and optimizer
+    references intact)."""
     sd = OrderedDict(state["model"])
-    sd._metadata = OrderedDict(state.get("model_meta", {}))  # type: ignore[attr-defined]
-    model.load_state_dict(sd)
+    adopted = _adopt_parameters(model, sd) if adopt else set()
+    meta = OrderedDict(state.get("model_meta", {}))
+    sd = OrderedDict((k, v) for k, v in sd.items() if k not in adopted)
+    sd._metadata = meta  # type: ignore[attr-defined]
+    missing, unexpected = model.load_state_dict(sd, strict=not adopted)
+    if adopted and (unexpected or set(missing) - adopted):
+        raise KeyError(f"the state does not fit the model: missing {sorted(set(missing) - adopted)}, "
+                       f"unexpected {sorted(unexpected)}")
     for obj, key in ((optimizer, "optimizer"), (scheduler, "scheduler"), (scaler, "scaler")):
         if obj is not None:
             if key not in state:
@@ -424,3 +435,38 @@ def restore(state: Mapping[str, Any], model: torch.nn.Module, optimizer: torch.o
             obj.load_state_dict(state[key])
     restore_rng(state["rng"])
     return dict(state.get("extra", {}))
+
+
+def place_parameters(model: torch.nn.Module, data: torch.Tensor) -> int:
+    """Move the model's parameters into ``data`` (a spare's receive buffer), each where a full state's
+    parameter lands in it (the model's tensors come first in :func:`capture`'s order, so their offsets do
+    not depend on the rest); their values are kept. A hydration into that buffer then writes the
+    parameters in place and :func:`restore` adopts them without a copy, and the memory they had is freed
+    now, not while the job waits. Returns how many moved (none of another device than ``data``'s)."""
+    sd = model.state_dict()
+    skeleton, tensors = flatten({"model": sd})
+    views = StateBuffer(skeleton, data).unpack() if data.numel() >= _layout(_tensor_specs(skeleton))[1] else []
+    at = {name: view for name, view in zip(sd, views)}
+    moved = 0
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            v = at.get(name)
+            if v is not None and type(p.data) is torch.Tensor and v.device == p.device and v.shape == p.shape:
+                v.copy_(p)
+                p.data = v
+                moved += 1
+    return moved
+
+
+def _adopt_parameters(model: torch.nn.Module, sd: Mapping[str, Any]) -> set[str]:
+    """The names of the parameters that took their received tensor as their data (see :func:`restore`)."""
+    adopted = set()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            v = sd.get(name)
+            if (isinstance(v, torch.Tensor) and type(p.data) is torch.Tensor and type(v) is torch.Tensor
+                    and v.shape == p.shape and v.dtype == p.dtype and v.device == p.device):
+                if v.data_ptr() != p.data_ptr() or v.stride() != p.stride():  # else: placed there already
+                    p.data = v
+                adopted.add(name)
+    return adopted

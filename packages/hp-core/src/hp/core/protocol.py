@@ -199,6 +199,7 @@ class Event(StrEnum):
     FINAL_STATE = "final_state"  # per-rank digests of the final training state
     HEALTH_CHECK_FAILED = "health_check_failed"  # after a failure this rank's device failed a check: it leaves
     HYDRATED = "hydrated"
+    HYDRATION_SENT = "hydration_sent"  # a source sent a rank behind the replicated state: how (premapped|shm|transport)
     LEFT = "left"  # this rank left the job gracefully (preempted, or scaled in): not a failure
     PREEMPT_SAVED = "preempt_saved"  # the job was preempted: this rank saved its last committed step
     IMPORTED = "imported"

@@ -240,6 +240,8 @@ def run_demo(cfg: DemoConfig) -> dict:
         "fault": fault,
         "model_size": cfg.model_size,
         "step_time_s": step_time(reference),
+        # how each hydration of replicated state went: premapped | shm (same node) | transport
+        "hydrations": [e["how"] for e in faulted.events if e["event"] == "hydration_sent"],
         "reference": {"returncode": reference.returncode, "wall_s": reference.wall_s},
         "faulted": {"returncode": faulted.returncode, "wall_s": faulted.wall_s},
         "data_cache": data,
@@ -262,13 +264,15 @@ def format_table(r: dict) -> str:
     f = r["fault"]
     rows = [
         ("job", (f"{r['world_size']} workers + {r['spares']} spare, {r['steps']} steps, model {r['model_size']}, "
-                 f"{r['transport']}")),
+                 f"{r.get('transport', 'gloo')}")),
         ("fault", f"{f['kind']} of rank {f['rank']} at step {f['at_step']} ({f['phase']})"),
         ("completed", "yes" if r["completed"] else "NO"),
         ("step time (reference)", f"{r['step_time_s'] * 1000:.0f} ms"),
         ("recovery (fault -> next commit)", "-" if r["recovery_s"] is None else f"{r['recovery_s']:.3f} s"),
     ]
-    rows += [(f"  {name}", f"{secs * 1000:.0f} ms") for name, secs in r["phases"].items()]
+    how = ", ".join(r.get("hydrations", []))  # of replicated state: premapped | shm | transport
+    rows += [(f"  {name}", f"{secs * 1000:.0f} ms" + (f" ({how})" if name == "hydrate" and how else ""))
+             for name, secs in r["phases"].items()]
     rows += [
         ("lost steps", str(r["lost_steps"])),
         ("losses bit-identical", f"{'yes' if r['losses_equal'] else 'NO'} ({r['steps_compared']} steps, every "
