@@ -6,8 +6,9 @@ receive buffer (allocated and faulted in while it waits, :meth:`hp.checkpointles
 is anonymous shared memory (``memfd_create``), and a source on the same node maps it through
 ``/proc/<pid>/fd/<fd>`` and packs the state into it: one copy into memory that is already the receiver's,
 which keeps it as its optimizer state (and its parameters: :func:`hp.checkpointless.state.place_parameters`).
-A source that saw the buffer offered maps it before the failure (:mod:`hp.checkpointless.premap`). :mod:`hp.checkpointless.state` then sends only the header and the
-JSON skeleton over the transport, flagged: the buffer is in place. Nothing is left behind: the memory
+A source that saw the buffer offered maps it before the failure (:mod:`hp.checkpointless.premap`).
+:mod:`hp.checkpointless.state` then sends only the header and the JSON skeleton over the transport,
+flagged: the buffer is in place. Nothing is left behind: the memory
 goes with the last process mapping it, a SIGKILLed spare's included (no file in ``/dev/shm``).
 
 What crosses processes is checked like everything hp reads from a peer: the offer (pid, fd, size) is
