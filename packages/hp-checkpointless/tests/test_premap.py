@@ -7,6 +7,8 @@ from __future__ import annotations
 import json
 import os
 import stat
+import subprocess
+import tempfile
 
 import pytest
 import torch
@@ -179,3 +181,26 @@ def test_adopting_keeps_copying_what_does_not_fit_and_refuses_a_state_of_another
     del received["model"]["2.bias"]
     with pytest.raises(KeyError, match="2.bias"):
         state.restore(received, _model(), adopt=True)
+
+
+def test_a_sigkilled_spares_offer_left_behind_is_not_mapped_again_and_again(tmp_path):
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    folder = tmp_path / "offers"
+    folder.mkdir(mode=0o700)
+    (folder / "n0s0.json").write_text(json.dumps({"pid": dead.pid, "fd": 3, "size": 4096}))
+    source = _premaps(tmp_path)
+    for _ in range(3):
+        source.poll()
+    assert source.wait_mapped(30) == 0 and source._maps == {}  # no mapping attempted for a process gone
+
+
+def test_only_hp_receive_buffers_are_attached_never_another_file_of_the_users():
+    other = os.memfd_create("not-hp")
+    os.ftruncate(other, 4096)
+    with tempfile.NamedTemporaryFile() as f:
+        f.truncate(4096)
+        for fd in (other, f.fileno()):
+            with pytest.raises(ValueError, match="no shared buffer of this user's"):
+                shm.SharedBuffer.attach(torch.tensor([os.getpid(), fd, 4096]), 10)
+    os.close(other)

@@ -102,7 +102,7 @@ class Premaps:
         for key in [k for k, m in self._maps.items() if offered.get(k) != m.size or not _alive(m.pid)]:
             self._maps.pop(key).close()
         for key, size in offered.items():
-            if key not in self._maps:
+            if key not in self._maps and _alive(key[0]):  # a SIGKILLed spare's file stays: skipped
                 self._maps[key] = _Mapping(*key, size)
 
     def take(self, offer: torch.Tensor, nbytes: int) -> shm.SharedBuffer | None:

@@ -30,6 +30,7 @@ _FLAGS = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)  # every page mapped
 # writable entries made up front (Linux >= 5.14): slower to map than MAP_POPULATE, whose read-only entries
 # fault once more on the first write, but the copy into it then runs at memcpy speed (hp.checkpointless.premap)
 _MADV_POPULATE_WRITE = getattr(mmap, "MADV_POPULATE_WRITE", 23)
+_NAME = "hp-hydrate"  # what /proc/<pid>/fd/<fd> of a receive buffer links to: "/memfd:hp-hydrate (deleted)"
 
 
 class SharedBuffer:
@@ -50,7 +51,7 @@ class SharedBuffer:
     @classmethod
     def create(cls, nbytes: int) -> SharedBuffer:
         """A receiver's buffer of ``nbytes``, every page allocated now (not while a hydration waits)."""
-        fd = os.memfd_create("hp-hydrate", os.MFD_CLOEXEC)
+        fd = os.memfd_create(_NAME, os.MFD_CLOEXEC)
         try:
             os.ftruncate(fd, nbytes)
             buf = cls(fd, nbytes, owned=True)
@@ -66,13 +67,17 @@ class SharedBuffer:
 
     @classmethod
     def attach(cls, offer: torch.Tensor, nbytes: int, populate_write: bool = False) -> SharedBuffer:
-        """The buffer a receiver on this node offered (from the wire). ValueError unless it is a regular
-        file of this user's holding at least ``nbytes``; OSError if it cannot be opened. ``populate_write``:
+        """The buffer a receiver on this node offered (from the wire). ValueError unless it is one of hp's
+        shared buffers (a memfd of :meth:`create`'s) of this user's holding at least ``nbytes``; OSError if
+        it cannot be opened. ``populate_write``:
         make writable page-table entries now (slower to attach, faster to pack into: a mapping made early)."""
         pid, fd, size = (int(v) for v in offer.tolist())
         if pid <= 0 or fd < 0 or size < nbytes:
             raise ValueError(f"a shared buffer offer of pid {pid}, fd {fd}, {size} bytes for {nbytes} bytes of state")
-        mine = os.open(f"/proc/{pid}/fd/{fd}", os.O_RDWR | os.O_CLOEXEC)
+        link = f"/proc/{pid}/fd/{fd}"
+        if not os.readlink(link).startswith(f"/memfd:{_NAME} "):  # never any other file (a reused pid's, say)
+            raise ValueError(f"{link} is no shared buffer of this user's of {nbytes} bytes")
+        mine = os.open(link, os.O_RDWR | os.O_CLOEXEC)
         try:
             st = os.fstat(mine)
             if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() or st.st_size < nbytes:
