@@ -17,9 +17,10 @@ code a re-form runs), from both processes leaving a barrier to the receiver's st
 ``floor_s`` is a memcpy of the same number of bytes into memory allocated and faulted in beforehand, in
 the source process, timed in the same run. With ``--device cuda`` both processes keep the state on the
 node's first GPU (what a spare on the same node as its source does: no nccl, the state staged through host
-memory) and ``staging_s`` is that copy's floor: the same bytes from the GPU to pinned host memory and back. ``shm_of_floor`` = the floor's throughput / shm's (the issue's
-goal: >= 0.5), ``premapped_of_floor`` the same for ``premapped``. Modes alternate (shm, tcp, floor, then reversed). The state's checksums match after every
-transfer (the receiver's state digest against the source's), or the run fails.
+memory) and ``staging_s`` is that copy's floor: the same bytes from the GPU to pinned host memory and
+back. ``shm_of_floor`` = the floor's throughput / shm's (the issue's goal: >= 0.5), ``premapped_of_floor``
+the same for ``premapped``. Modes alternate (shm, premapped, tcp, floor, then reversed). The state's
+checksums match after every transfer (the receiver's state digest against the source's), or the run fails.
 """
 
 from __future__ import annotations

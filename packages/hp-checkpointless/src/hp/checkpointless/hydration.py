@@ -103,7 +103,7 @@ def replicated(st: TrainingState, a: Agreement, rank: int, events: EventLog) -> 
                 if shared is not None:  # offered once: a retry of this hydration goes over the transport
                     shared.received()
                     st.receive_shared = None
-            st.receive_buffer = None  # the optimizer and the parameters now own those bytes: never receive into them again
+            st.receive_buffer = None  # the optimizer and parameters own those bytes now: never receive into them
             st.restore(received, adopt=not has_state)
             _hydrated(st, a, rank, events, source)
 

@@ -444,7 +444,7 @@ def place_parameters(model: torch.nn.Module, data: torch.Tensor) -> int:
     parameters in place and :func:`restore` adopts them without a copy, and the memory they had is freed
     now, not while the job waits. Returns how many moved (none of another device than ``data``'s)."""
     sd = model.state_dict()
-    skeleton, tensors = flatten({"model": sd})
+    skeleton, _ = flatten({"model": sd})
     views = StateBuffer(skeleton, data).unpack() if data.numel() >= _layout(_tensor_specs(skeleton))[1] else []
     at = {name: view for name, view in zip(sd, views)}
     moved = 0
