@@ -24,7 +24,8 @@ def test_grow_preempt_regrow_and_node_down_bit_identical(tmp_path):
     brief = {k: r.get(k) for k in ("error", "world_sizes", "marks", "units", "base_state", "shrink_s", "grow_s",
                                    "state_differences", "error_tail")}
     assert r["completed"], json.dumps(brief, indent=1)
-    assert _turns(r["world_sizes"]) == [2, 4, 2, 4, 3], brief
+    turns = _turns(r["world_sizes"])  # 3 first when a unit's node was up before the job's first step
+    assert turns[0] in (2, 3) and turns[1:] == [4, 2, 4, 3], brief
     assert r["lost_steps"] == 0, brief
     assert r["losses_equal"] and r["state_equal"] and r["bitwise_equal"], brief
     # the preempted units' ranks left within the unit partition's grace time, and their jobs ended by themselves
@@ -64,7 +65,10 @@ def test_a_failed_base_node_is_replaced_and_the_job_never_stops(tmp_path):
     brief = {k: r.get(k) for k in ("error", "world_sizes", "marks", "units", "base_state", "grow_s", "events",
                                    "state_differences", "error_tail")}
     assert r["completed"], json.dumps(brief, indent=1)
-    assert _turns(r["world_sizes"]) == [2, 4, 3, 4], brief  # the units may join together (2 -> 4)
+    # the base job starts the job at 2, or at 3 when a unit's node was up before its first step (seen in CI); the
+    # units may join together (2 -> 4)
+    turns = _turns(r["world_sizes"])
+    assert turns[0] in (2, 3) and turns[1:] == [4, 3, 4], brief
     assert r["lost_steps"] == 0 and r["bitwise_equal"], brief
     shrink = next(e for e in r["events"] if e["to"] < e["from"])
     # told by the scheduler, not found out a heartbeat timeout (30 s) later
