@@ -14,10 +14,14 @@ import pytest
 import torch
 from hp.checkpointless import shm, state
 from hp.checkpointless.premap import Premaps
+from hp.core.signed_values import seal, unseal
 
 
-def _premaps(tmp_path, active: bool = True) -> Premaps:
-    p = Premaps(str(tmp_path / "offers"))
+TOKEN = "job-token"
+
+
+def _premaps(tmp_path, active: bool = True, token: str = TOKEN) -> Premaps:
+    p = Premaps(str(tmp_path / "offers"), token)
     p.active = active
     return p
 
@@ -28,7 +32,8 @@ def test_an_offered_buffer_is_mapped_early_and_taken_by_the_matching_offer(tmp_p
     spare.offer("n0s0", buf)
     folder, path = tmp_path / "offers", tmp_path / "offers" / "n0s0.json"
     assert stat.S_IMODE(folder.stat().st_mode) == 0o700 and stat.S_IMODE(path.stat().st_mode) == 0o600
-    assert json.loads(path.read_text()) == dict(zip(("pid", "fd", "size"), buf.offer().tolist()))
+    sealed = unseal(TOKEN, "offers/n0s0", path.read_text())
+    assert json.loads(sealed) == dict(zip(("pid", "fd", "size"), buf.offer().tolist()))
     source.poll()
     assert source.wait_mapped(30) == 1
     early = source.take(buf.offer(), 1 << 20)
@@ -98,7 +103,7 @@ def test_a_withdrawn_offer_is_unmapped_and_an_inactive_rank_maps_nothing(tmp_pat
 def test_malformed_offer_files_are_skipped(tmp_path, content):
     folder = tmp_path / "offers"
     folder.mkdir(mode=0o700)
-    (folder / "n0s0.json").write_text(content)
+    (folder / "n0s0.json").write_text(seal(TOKEN, "offers/n0s0", content))  # sealed, yet not an offer
     source = _premaps(tmp_path)
     source.poll()
     assert source.wait_mapped(30) == 0
@@ -108,7 +113,7 @@ def test_offer_files_with_other_names_links_and_spare_ids_that_are_paths_are_ref
     buf = shm.SharedBuffer.create(1 << 16)
     folder = tmp_path / "offers"
     folder.mkdir(mode=0o700)
-    good = json.dumps(dict(zip(("pid", "fd", "size"), buf.offer().tolist())))
+    good = seal(TOKEN, "offers/n0s0", json.dumps(dict(zip(("pid", "fd", "size"), buf.offer().tolist()))))
     (tmp_path / "elsewhere.json").write_text(good)
     (folder / "n0s0.json").symlink_to(tmp_path / "elsewhere.json")  # a link: not opened
     (folder / "../n0s1.json").write_text(good)
@@ -188,7 +193,7 @@ def test_a_sigkilled_spares_offer_left_behind_is_not_mapped_again_and_again(tmp_
     dead.wait()
     folder = tmp_path / "offers"
     folder.mkdir(mode=0o700)
-    (folder / "n0s0.json").write_text(json.dumps({"pid": dead.pid, "fd": 3, "size": 4096}))
+    (folder / "n0s0.json").write_text(seal(TOKEN, "offers/n0s0", json.dumps({"pid": dead.pid, "fd": 3, "size": 4096})))
     source = _premaps(tmp_path)
     for _ in range(3):
         source.poll()
@@ -204,3 +209,27 @@ def test_only_hp_receive_buffers_are_attached_never_another_file_of_the_users():
             with pytest.raises(ValueError, match="no shared buffer of this user's"):
                 shm.SharedBuffer.attach(torch.tensor([os.getpid(), fd, 4096]), 10)
     os.close(other)
+
+
+def test_an_offer_not_sealed_by_this_job_for_that_spare_is_skipped(tmp_path):
+    buf = shm.SharedBuffer.create(1 << 16)
+    offer = json.dumps(dict(zip(("pid", "fd", "size"), buf.offer().tolist())))
+    folder = tmp_path / "offers"
+    folder.mkdir(mode=0o700)
+    for name, doc in (("n0s0", offer),  # not sealed
+                      ("n0s1", seal("another-job", "offers/n0s1", offer)),  # another job's token
+                      ("n0s2", seal(TOKEN, "offers/n0s9", offer))):  # moved from another spare's file
+        (folder / f"{name}.json").write_text(doc)
+    source = _premaps(tmp_path)
+    source.poll()
+    assert source.wait_mapped(30) == 0 and source._maps == {}
+    _premaps(tmp_path, active=False).offer("n0s3", buf)  # this job's own offer is mapped
+    source.poll()
+    assert source.wait_mapped(30) == 1
+    source.close()
+    buf.received()
+
+
+def test_premaps_need_the_job_token(tmp_path):
+    with pytest.raises(ValueError, match="job token"):
+        Premaps(str(tmp_path / "offers"), "")

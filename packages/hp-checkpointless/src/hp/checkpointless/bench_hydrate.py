@@ -29,6 +29,7 @@ import argparse
 import gc
 import json
 import os
+import secrets
 import statistics
 import subprocess
 import sys
@@ -38,6 +39,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from hp.core.auth import TOKEN_ENV
 from hp.core.benchmeta import BenchRun, module_main, report, spread
 from hp.core.errors import UsageError
 
@@ -80,7 +82,7 @@ def run(cfg: HydrateBenchConfig) -> dict[str, Any]:
     bench = BenchRun("hydrate", DEFINITION_VERSION)
     with tempfile.TemporaryDirectory(prefix="hp-bench-hydrate-") as tmp:
         port = free_port()
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", TOKEN_ENV: secrets.token_hex(16)}
         procs = [subprocess.Popen([sys.executable, "-m", "hp.checkpointless.bench_hydrate", "--worker", str(rank),
                                    str(port), tmp, json.dumps(asdict(cfg))], env=env,
                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in (0, 1)]
@@ -144,7 +146,7 @@ def _worker(rank: int, port: int, out: Path, cfg: HydrateBenchConfig) -> None:
     dist.all_reduce(nbytes)
     nbytes = int(nbytes)
     events = EventLog(None, f"rank{rank}")
-    premaps = Premaps(str(out / "offers"))  # the node's offers folder
+    premaps = Premaps(str(out / "offers"), os.environ[TOKEN_ENV])  # the node's offers folder, sealed as a job's
     premaps.active = rank == 0
     times: dict[str, list[float]] = {m: [] for m in cfg.modes}
     floors = [m for m in cfg.modes if m not in ("shm", "premapped", "tcp")]

@@ -7,7 +7,8 @@ Mapping that buffer costs page-table work in proportion to its size: for 328 MB 
 when the failure comes, that is most of the hydration. So it is done before:
 
 * a spare offers its buffer as soon as it has one, in its node's log folder (``offers/<spare id>.json``,
-  0600 in a 0700 folder of this user's: pid, fd, size), and withdraws the offer once it holds a rank;
+  0600 in a 0700 folder of this user's: pid, fd, size as JSON, sealed with the job token for that file's
+  name, :mod:`hp.core.signed_values`), and withdraws the offer once it holds a rank;
 * the two lowest ranks of each node (where a same-node hydration comes from, unless both are behind;
   :meth:`Agreement.source_for <hp.checkpointless.hydration.Agreement.source_for>`) look at that folder at
   every step boundary (one ``stat``; nothing is asked of any server) and map each new offer in a
@@ -17,10 +18,11 @@ when the failure comes, that is most of the hydration. So it is done before:
   while it runs no other thread of the source can fault a page in, so unmapping at once would hold up
   the hydration's last messages, which gloo's threads send.
 
-The file is only a hint of what to map early. What is packed into is decided by the offer from the group,
+The file is only a hint of what to map early, and one not sealed by this job (forged, of another job,
+moved to another spare's name) is skipped. What is packed into is decided by the offer from the group,
 and a mapping is used only if ``/proc/<pid>/fd/<fd>`` is still the very file it mapped (device and
-inode); the checks of :meth:`SharedBuffer.attach <hp.checkpointless.shm.SharedBuffer.attach>` (a regular
-file of this user's, large enough) hold for it as for any attach.
+inode); the checks of :meth:`SharedBuffer.attach <hp.checkpointless.shm.SharedBuffer.attach>` (one of
+hp's receive buffers, of this user's, large enough) hold for it as for any attach.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from typing import Any
 
 import torch
 from hp.checkpointless import shm
+from hp.core.signed_values import seal, unseal
 
 _NAME = re.compile(r"n\d{1,6}s\d{1,9}")  # a spare id (hp.core.protocol.spare_id): the offer file's name
 _MAX_FILE = 4096
@@ -46,8 +49,10 @@ class Premaps:
     """The offers folder of a node, as a spare (:meth:`offer`, :meth:`withdraw`) and as a source
     (:meth:`poll` at step boundaries while :attr:`active`, :meth:`take` in a hydration)."""
 
-    def __init__(self, folder: str) -> None:
-        self.folder = folder
+    def __init__(self, folder: str, token: str) -> None:
+        if not token:
+            raise ValueError("offers are sealed with the job token (HP_JOB_TOKEN)")
+        self.folder, self._token = folder, token
         self.active = False  # this rank is one a same-node hydration comes from (set after each formation)
         self._seen_ns = -1  # the folder's mtime when last read
         self._maps: dict[tuple[int, int], _Mapping] = {}
@@ -66,7 +71,7 @@ class Premaps:
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
             with os.fdopen(fd, "w") as f:
                 pid, fdnum, size = buf.offer().tolist()
-                json.dump({"pid": pid, "fd": fdnum, "size": size}, f)
+                f.write(seal(self._token, _key(spare_id), json.dumps({"pid": pid, "fd": fdnum, "size": size})))
             os.replace(tmp, path)
         except OSError:
             pass
@@ -163,12 +168,16 @@ class Premaps:
                     st = os.fstat(f.fileno())
                     if not stat.S_ISREG(st.st_mode) or st.st_uid != os.getuid() or st.st_size > _MAX_FILE:
                         continue
-                    o = json.loads(f.read())
+                    o = json.loads(unseal(self._token, _key(name[:-5]), f.read()))
                 pid, fdnum, size = o["pid"], o["fd"], o["size"]
                 if all(type(v) is int and v > 0 for v in (pid, size)) and type(fdnum) is int and fdnum >= 0:
                     yield (pid, fdnum), size
-            except (OSError, ValueError, KeyError, TypeError):
+            except (OSError, ValueError, KeyError, TypeError):  # ValueError: ProtocolError (not sealed) too
                 continue
+
+
+def _key(spare_id: str) -> str:
+    return f"offers/{spare_id}"  # what an offer file's seal is bound to: a file renamed to another spare's fails
 
 
 def _alive(pid: int) -> bool:

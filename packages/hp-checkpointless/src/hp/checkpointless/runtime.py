@@ -114,6 +114,7 @@ class Context:
                                f"rank{rank}" if spare_id is None else f"spare-{spare_id}")
         self._faults = FaultPlan.from_env(lambda key: self._store.add(key, 1) == 1, env)
         self._publish = sealing(self._store.set, token)
+        self._token = token  # also seals a spare's offer of its buffer (hp.checkpointless.premap)
         refusals = Refusals(self._refused)
         self._machine = RecoveryMachine()
         self._link = GroupLink(self._transport, self._store, self._machine, pg_timeout, self.events, self._detach)
@@ -238,7 +239,7 @@ class Context:
         if st.fsdp is not None and reduction is not None:
             raise UsageError("an FSDP2 model's gradients are reduced by FSDP: pass no reduction=")
         self._training = st
-        st.premaps = Premaps(self._offers) if self._offers else None
+        st.premaps = Premaps(self._offers, self._token) if self._offers else None
         self._tx = StepTransaction(st, self._link.collective, reduction)
         self._on_scale = on_scale
         if st.fsdp is not None:  # gradients land on the sharded parameters without hooks: backward starts here
@@ -413,9 +414,10 @@ class Context:
     def _check_health(self) -> None:
         """After a failure, before re-entering: this rank's device passes every health check that applies
         (:mod:`hp.core.health`, family ``health``), or the process leaves and a spare takes its rank."""
-        failed = first_failure(backends("health").values(), str(self.device))
-        if self._faults.unhealthy:
+        if self._faults.unhealthy:  # the CPU stand-in for a device left unusable: no real check to run
             failed = ("injected", "an injected fault left this device unusable")
+        else:
+            failed = first_failure(backends("health").values(), str(self.device))
         if failed is None:
             return
         check, reason = failed
