@@ -30,7 +30,7 @@ from datetime import timedelta
 from torch.distributed.elastic.multiprocessing import Std
 from torch.distributed.elastic.multiprocessing.api import SignalException
 
-from hp.core import auth, forkserver
+from hp.core import auth, forkserver, health
 from hp.core.config import RunConfig
 from hp.core.control_plane import ControlClient, ControlServer
 from hp.core.devices import DeviceSlots
@@ -109,6 +109,7 @@ class Agent:
         self.token = token
         self.transport = get_backend("transport", config.transport)
         self.transport.check_available()
+        health.min_free_mb(os.environ)  # a bad health-check setting: one line now, not in a recovery
         self.store_backend = get_backend("store", config.store)
         self.services = ServiceHost(config.services)
         if scaler is None and config.scaling_policy is not None:  # a bad policy: one line, before anything starts

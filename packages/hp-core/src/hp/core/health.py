@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterable
 
+from hp.core.errors import UsageError
 from hp.core.hookspecs import hookimpl
 
 EXIT_UNHEALTHY = 74  # EX_IOERR: this process's device failed a health check; the agent replaces it
@@ -57,10 +58,19 @@ class CudaHealth(HealthCheck):
                 free, _total = torch.cuda.mem_get_info(device)
         except RuntimeError as e:  # a sticky CUDA error (illegal address, ECC): this context is done
             return f"{device}: {str(e).splitlines()[0][:200]}"
-        need = int(os.environ.get(MIN_FREE_ENV, "256")) << 20
+        need = min_free_mb(os.environ) << 20
         if free < need:
             return f"{device} has {free >> 20} MiB free, less than {need >> 20} MiB"
         return None
+
+
+def min_free_mb(env) -> int:
+    """``HP_HEALTH_MIN_FREE_MB`` (default 256); :class:`UsageError` (one line) unless a non-negative integer.
+    ``hp run`` checks it before anything starts, so a rank never meets it first in a recovery."""
+    raw = env.get(MIN_FREE_ENV, "256")
+    if not raw.isdigit():
+        raise UsageError(f"{MIN_FREE_ENV} must be a non-negative integer (MiB), got {raw!r}")
+    return int(raw)
 
 
 def first_failure(checks: Iterable[HealthCheck], device: str) -> tuple[str, str] | None:

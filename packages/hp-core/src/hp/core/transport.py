@@ -165,7 +165,8 @@ EFA_ENV_DEFAULTS = {
 class NcclTransport(TransportBackend):
     """GPU collectives. One GPU per local rank; EFA-friendly defaults where EFA is present. The group
     has a gloo half for host tensors (torch's ``cpu:gloo,cuda:nccl``): the commit vote, the agreement
-    after a re-form and hydration's flat buffers are host tensors. Not yet run on a GPU."""
+    after a re-form and hydration's flat buffers are host tensors. Run on one GPU (one rank: README, "What
+    has run on a GPU"), not yet between GPUs."""
 
     name = "nccl"
     torch_backend = "cpu:gloo,cuda:nccl"
