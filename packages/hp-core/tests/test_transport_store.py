@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import os
+import threading
+import time
 from datetime import timedelta
 from pathlib import Path
 
 import pytest
-
 from hp.core import generation_prefix, get_backend
-from hp.core.transport import EFA_ENV_DEFAULTS, NcclTransport
 from hp.core.testing import listening_addresses
+from hp.core.transport import EFA_ENV_DEFAULTS, NcclTransport
 
 
 def fake_sysfs(root: Path, devices: dict[str, str]) -> str:
@@ -42,6 +43,40 @@ def test_tcp_store_listens_only_on_the_interface_asked_for():
         assert server.store.get("k") == b"v"
     finally:
         server.close()
+
+
+def test_a_refused_tcp_store_connect_is_retried_in_python_never_in_torchs_loop(monkeypatch, free_port):
+    """Nobody listens: the connect gives up after its timeout, in one line, without entering torch's
+    C++ connect loop (2.3 to 5 s for a 2 s timeout, GIL released): a daemon thread returning from it into
+    an exiting interpreter aborted a fenced agent (SIGABRT instead of exit 1)."""
+    import torch.distributed as dist
+    from hp.core import store
+
+    def no_torch(*a, **k):
+        raise AssertionError("entered torch's connect with nobody listening")
+
+    monkeypatch.setattr(dist, "TCPStore", no_torch)
+    t0 = time.monotonic()
+    with pytest.raises(dist.DistNetworkError, match=f"store at 127.0.0.1:{free_port} unreachable for 0.3 s") as e:
+        store.TCPStoreBackend().connect("127.0.0.1", free_port, timedelta(seconds=0.3))
+    assert 0.25 <= time.monotonic() - t0 < 5 and "\n" not in str(e.value)
+
+
+def test_a_tcp_store_connect_waits_for_a_server_that_starts_late(free_port):
+    """As torch's own connect does: a server listening within the timeout is reached."""
+    backend = get_backend("store", "tcp")
+    servers = []
+    timer = threading.Timer(0.5, lambda: servers.append(backend.serve("127.0.0.1", free_port)))
+    timer.start()
+    try:
+        client = backend.connect("127.0.0.1", free_port, timedelta(seconds=10))
+        client.set("k", "v")
+        timer.join()
+        assert servers[0].store.get("k") == b"v"
+    finally:
+        timer.join()
+        for s in servers:
+            s.close()
 
 
 def test_generations_never_share_rendezvous_keys():

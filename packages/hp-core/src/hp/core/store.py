@@ -8,6 +8,7 @@ store is in use.
 from __future__ import annotations
 
 import socket
+import time
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import TYPE_CHECKING
@@ -16,6 +17,8 @@ from hp.core.hookspecs import hookimpl
 
 if TYPE_CHECKING:
     import torch.distributed as dist
+
+CONNECT_RETRY_S = 0.05  # between refused connects to a TCPStore not (or no longer) listening
 
 
 @dataclass
@@ -72,9 +75,25 @@ class TCPStoreBackend(StoreBackend):
 
     def connect(self, host: str, port: int, timeout: timedelta = timedelta(seconds=60),
                 job: str | None = None) -> dist.Store:
+        """A refused connect is retried here, in Python, until ``timeout``: torch's own loop (2.3 to 5 s
+        for a 2 s timeout, C++ with the GIL released) must not hold a daemon thread when its process
+        exits: the thread's return into the finalizing interpreter aborts the process (SIGABRT)."""
         import torch.distributed as dist
 
-        return dist.TCPStore(host, port, is_master=False, timeout=timeout)  # one job's: its host's
+        deadline = time.monotonic() + timeout.total_seconds()
+        while True:
+            try:
+                socket.create_connection((host, port), timeout=max(0.05, deadline - time.monotonic())).close()
+                break
+            except OSError as e:
+                if time.monotonic() + CONNECT_RETRY_S >= deadline:
+                    raise dist.DistNetworkError(f"store at {host}:{port} unreachable for "
+                                                f"{timeout.total_seconds():g} s: {e}") from None
+                time.sleep(CONNECT_RETRY_S)
+        left = timedelta(seconds=max(deadline - time.monotonic(), CONNECT_RETRY_S))
+        client = dist.TCPStore(host, port, is_master=False, timeout=left)  # one job's: its host's
+        client.set_timeout(timeout)
+        return client
 
 
 class EtcdStoreBackend(StoreBackend):
