@@ -275,6 +275,25 @@ def test_a_node_the_scheduler_says_failed_is_lost_at_once_fenced_by_generation()
     assert c2.state is JobState.FAILED and "node 1 (h1) lost: failed (Slurm took n2 out of job 7)" in c2.reason
 
 
+def test_a_failure_report_about_an_earlier_run_of_a_node_changes_nothing():
+    """node_failed naming an incarnation (a pod's uid; hp k8s watch) loses the node only if that is the run
+    of the node the job has: a report about the pod that a new one replaced never hits the new one."""
+    c = Controller(ControllerConfig(nnodes=2), clock=Clock())
+    for n in range(2):
+        c.handle("join", {"node_rank": n, "nproc": 1, "host": f"h{n}", "spares": 1, "incarnation": f"uid-{n}"})
+    assert c.snapshot()["nodes"][1]["incarnation"] == "uid-1"
+    answer = c.handle("node_failed", {"node": 1, "generation": 1, "incarnation": "uid-old", "reason": "pod deleted"})
+    assert answer == {"lost": False, "generation": 1, "incarnation": "uid-1"} and not c.nodes[1].lost
+    assert c.handle("node_failed", {"node": 1, "generation": 1, "incarnation": "uid-1"})["lost"] and c.nodes[1].lost
+    for bad in (7, "x" * 129, "a\nb"):
+        with pytest.raises(Refused, match="field 'incarnation'") as e:
+            c.handle("node_failed", {"node": 0, "generation": 2, "incarnation": bad})
+        assert e.value.status == 400 and not c.nodes[0].lost
+        with pytest.raises(Refused, match="field 'incarnation'"):
+            Controller(ControllerConfig(nnodes=1)).handle("join", {"node_rank": 0, "nproc": 1, "host": "h",
+                                                                   "incarnation": bad})
+
+
 def test_the_lost_node_address_is_reported_and_told_to_survivors():
     c = Controller(ControllerConfig(nnodes=2, heartbeat_timeout_s=5), clock=(clock := Clock()))
     for n in range(2):

@@ -38,7 +38,7 @@ from hp.core.controller import Controller, ControllerConfig
 from hp.core.errors import ControlPlaneError, HpError
 from hp.core.fanout import RELAY_WAIT_S, Relay
 from hp.core.plugins import get_backend, load_scaler
-from hp.core.protocol import AGENT_PID_ENV, EXIT_PREEMPTED, SCALING_POLICY_ENV, FailureAction, JobState, Verb, spare_holder, spare_id, worker_holder
+from hp.core.protocol import AGENT_PID_ENV, EXIT_PREEMPTED, NODE_INCARNATION_ENV, SCALING_POLICY_ENV, FailureAction, JobState, Verb, spare_holder, spare_id, worker_holder
 from hp.core.rescale import ElasticController
 from hp.core.scaling import Scaler
 from hp.core.services import NodeContext, ServiceError, ServiceHost
@@ -278,7 +278,7 @@ class Agent:
     def _rendezvous(self, client: ControlClient) -> Assignment:
         me = {"node_rank": self.cfg.node_rank}
         join = {**me, "nproc": self.cfg.nproc_per_node, "spares": self.cfg.spares, "host": socket.gethostname(),
-                "address": self._address,
+                "address": self._address, "incarnation": os.environ.get(NODE_INCARNATION_ENV, ""),
                 **({"forming_store": f"{self._forming.host}:{self._forming.port}"} if self._forming is not None else {})}
         while True:
             self._call_until(client, Verb.JOIN, join, lambda a: True, "joining the controller")

@@ -23,7 +23,8 @@ heartbeat      none: liveness whatever the agent has seen; the answer carries th
 join           the job's state: only during rendezvous (or, elastic, a node not yet a member)
 scale          none: the operator sets the desired capacity, not a change relative to a generation
 node_failed    the generation the reporter read (``state``): the scheduler (an operator identity, e.g.
-               the Slurm base job) says a node failed; a node already lost or done is left alone
+               the Slurm base job, hp k8s watch) says a node failed; a node already lost or done is left
+               alone, and so is one whose ``incarnation`` (a pod's uid) is not the one the report names
 ============== ======================================================================================
 
 Durability (the HA controller, :mod:`hp.core.leader`): with a ``persist`` function injected, every
@@ -55,6 +56,7 @@ from hp.core.spares import SparePool
 log = logging.getLogger("hp.controller")
 
 
+MAX_INCARNATION = 128  # characters of a node's incarnation (a pod uid has 36)
 ANSWERS_KEPT = 8  # decided requests remembered per node, for a retry at a new leader (see the docstring)
 
 
@@ -80,6 +82,7 @@ class NodeRecord:
     spare_ids: list[str] = field(default_factory=list)  # the ids of the spares its agent starts (after rendezvous)
     promotions: list[dict] = field(default_factory=list)  # spares of this node given a rank, not yet told
     forming_store: str = ""  # HOST:PORT of the TCPStore its agent hosts for forming process groups (HA), if any
+    incarnation: str = ""  # what the scheduler calls this run of the node (a pod's uid): HP_NODE_INCARNATION
 
 
 @dataclass
@@ -109,6 +112,15 @@ def request_field(payload: dict, name: str, kind: type | tuple[type, ...]) -> An
     value = payload.get(name)
     if not isinstance(value, kind) or isinstance(value, bool) and kind is not bool:
         raise Refused(400, f"malformed request: field {name!r} must be {getattr(kind, '__name__', kind)}")
+    return value
+
+
+def _incarnation(payload: dict) -> str:
+    """A request's optional ``incarnation``: printable, at most :data:`MAX_INCARNATION` characters."""
+    value = payload.get("incarnation", "")
+    if not isinstance(value, str) or len(value) > MAX_INCARNATION or not value.isprintable():
+        raise Refused(400, f"malformed request: field 'incarnation' must be a printable str of at most "
+                           f"{MAX_INCARNATION} characters")
     return value
 
 
@@ -271,8 +283,11 @@ class Controller:
         if node is None:
             raise Refused(404, f"node {node_rank} is not in the job")
         reason = p.get("reason") if isinstance(p.get("reason"), str) else "the scheduler"
+        incarnation = _incarnation(p)
         if node.lost or node.done:
             return {"lost": False, "generation": self.generation}
+        if incarnation and incarnation != node.incarnation:  # about an earlier run of that node rank
+            return {"lost": False, "generation": self.generation, "incarnation": node.incarnation}
         self._lose_nodes([node], self._clock(), cause=f"failed ({reason[:200]})")
         return {"lost": True, "generation": self.generation}
 
@@ -310,7 +325,8 @@ class Controller:
             "members": dict(self.members),
             "free_spares": sorted(self.free_spares),
             "ready_spares": sorted(self.spares.ready),
-            "nodes": {n.node_rank: {"host": n.host, "nproc": n.nproc, "done": n.done, "lost": n.lost}
+            "nodes": {n.node_rank: {"host": n.host, "nproc": n.nproc, "done": n.done, "lost": n.lost,
+                                    "incarnation": n.incarnation}
                       for n in self.nodes.values()},
             "decisions": self.decision_count,
         }
@@ -424,6 +440,7 @@ class Controller:
         nproc = request_field(p, "nproc", int)
         host = request_field(p, "host", str)
         spares, address, forming = p.get("spares", 0), p.get("address", ""), p.get("forming_store", "")
+        incarnation = _incarnation(p)
         if not isinstance(address, str):
             raise Refused(400, "malformed request: field 'address' must be str")
         if not isinstance(forming, str) or (forming and not _host_port(forming)):
@@ -435,7 +452,8 @@ class Controller:
             raise Refused(400, f"node_rank {node_rank} outside [0, {limit})")
         if nproc < 1:
             raise Refused(400, f"nproc must be >= 1, got {nproc}")
-        return NodeRecord(node_rank, nproc, host, spares, address=address, forming_store=forming)
+        return NodeRecord(node_rank, nproc, host, spares, address=address, forming_store=forming,
+                          incarnation=incarnation)
 
     def _rendezvous(self, p: dict) -> dict:
         node = self._node(p)

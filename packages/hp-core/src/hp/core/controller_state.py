@@ -24,7 +24,7 @@ if TYPE_CHECKING:
 
 VERSION = 1
 _NODE_FIELDS = ("node_rank", "nproc", "host", "spares", "rank_offset", "done", "lost", "address", "spare_ids",
-                "promotions", "forming_store")
+                "promotions", "forming_store", "incarnation")
 
 
 class StateError(HpError):
@@ -71,7 +71,7 @@ def load(c: Controller, state: dict[str, Any], now: float) -> list[tuple[str, st
         c.state, c.reason, c.restarts = JobState(state["state"]), str(state["reason"]), int(state["restarts"])
         c.nodes = {}
         for fields in state["nodes"]:
-            node = NodeRecord(**{f: fields[f] for f in _NODE_FIELDS})
+            node = NodeRecord(**{f: fields[f] for f in _NODE_FIELDS if f in fields or f != "incarnation"})
             node.last_seen = now
             c.nodes[node.node_rank] = node
         c.members = _ints(state["members"])

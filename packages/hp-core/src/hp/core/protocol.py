@@ -100,6 +100,9 @@ class ArriveOutcome(StrEnum):
 RESIZES = frozenset({"shrink", "grow", "preempt", "scale"})
 
 
+# what the scheduler calls this run of a node (Kubernetes: the pod's uid, from the downward API), told to the
+# controller when the agent joins: a report that an earlier run of the node failed never hits this one
+NODE_INCARNATION_ENV = "HP_NODE_INCARNATION"
 # the environment variable through which ``hp run --scaling-policy FILE`` tells its workers the policy file
 SCALING_POLICY_ENV = "HP_SCALING_POLICY"
 # the agent's pid, in its workers' environment: a SIGTERM from anyone else is the agent's to act on

@@ -34,11 +34,15 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from enum import Enum
 
-from hp.core.auth import OPERATOR
-from hp.core.errors import UsageError
-from hp.core.protocol import Verb
+from hp.core.node_failure import FailureReport
 from hp.core.slurm import SlurmCli, SlurmError, SlurmJob, SlurmScheduler
-from hp.core.slurm_job import SlurmJobSpec, base_steps, head_endpoint, unit_script
+from hp.core.slurm_job import (
+    SlurmJobSpec,
+    base_steps,
+    head_endpoint,
+    read_token,
+    unit_script,
+)
 
 POLL_S = 1.0
 CAPACITY_EVERY_S = 5.0  # the base logs the job's capacity (idle nodes, QOS quota, preemption) as it changes
@@ -172,7 +176,7 @@ def run_base(spec: SlurmJobSpec, cli: SlurmCli, job_id: str, nodelist: str, poll
     _say(f"job {job_id}: controller at {endpoint}; {spec.min_nodes} base node(s), unit slots "
          f"{list(spec.unit_slots)}")
     head, *rest = [subprocess.Popen(argv) for argv in base_steps(spec, endpoint, hosts)]
-    failures, failed = _FailureReport(spec, endpoint), FailedUnits(grace_s=spec.grace_period_s + 2 * poll_s)
+    failures, failed = FailureReport(endpoint, lambda: read_token(spec), log=_say), FailedUnits(grace_s=spec.grace_period_s + 2 * poll_s)
     base_name = spec.job_name()
     capacity = _CapacityLog(SlurmScheduler(job_names=(base_name, *keeper.names.values())),
                             spec.unit_partition or spec.base_partition)
@@ -211,33 +215,6 @@ def run_base(spec: SlurmJobSpec, cli: SlurmCli, job_id: str, nodelist: str, poll
             step.wait()
     _say(f"agents exited: node 0 {head.returncode}" + (f", the other base nodes {rest[0].returncode}" if rest else ""))
     return head.returncode
-
-
-class _FailureReport:
-    """Tells the controller that a node failed (``node_failed``, as the operator: the job token), so its
-    ranks are lost now rather than a heartbeat timeout later, and before a replacement may join as that
-    node. Fenced by the generation read just before (``state``)."""
-
-    def __init__(self, spec: SlurmJobSpec, endpoint: str) -> None:
-        self.spec, self.endpoint, self._client = spec, endpoint, None
-
-    def report(self, node: int, reason: str) -> bool:
-        """Whether the controller has the node lost (now, or already); False: ask again next time."""
-        from hp.core.control_plane import ControlClient, ControlPlaneError
-        from hp.core.slurm_job import read_token
-
-        try:
-            if self._client is None:
-                self._client = ControlClient(self.endpoint, read_token(self.spec), node=OPERATOR)
-            state = self._client.call(Verb.STATE, {})
-            known = state.get("nodes", {}).get(str(node))
-            if known is None or known["lost"] or known["done"]:
-                return True
-            self._client.call(Verb.NODE_FAILED, {"node": node, "generation": state["generation"], "reason": reason})
-            return True
-        except (ControlPlaneError, OSError, UsageError) as e:
-            _say(f"could not report node {node}'s failure to the controller: {e}")
-            return False
 
 
 def _lost_base_slots(jobs: list[SlurmJob], job_id: str, hosts: list[str], cli: SlurmCli,
