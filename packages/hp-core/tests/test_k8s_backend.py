@@ -3,8 +3,8 @@ REAL `kubernetes` client (configured from a kubeconfig file) against a tiny fake
 
 No Kubernetes API server exists here. The fake (http.server on a free 127.0.0.1 port, started and stopped by a
 fixture) speaks the API's REST paths and Status errors, validates every request body it is sent against the
-same schemas as test_k8s_contract.py (kubernetes-validate strict for core kinds, the vendored CRDs for custom
-ones) and answers with recorded objects (the final state of the watch fixtures). It is a contract test: it
+same schemas as test_k8s_contract.py (kubernetes-validate strict for core and RBAC kinds, the vendored CRDs
+for custom ones) and answers with recorded objects (the final state of the watch fixtures). It is a contract test: it
 shows the backend sends valid objects to the right paths and reads real responses, not that a cluster runs
 the job."""
 
@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import threading
 import urllib.parse
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 
 import kubernetes_validate
@@ -24,10 +24,17 @@ from hp.core.errors import UsageError
 from hp.core.k8s import schemas
 from hp.core.k8s.backend import KubernetesError, KubernetesScheduler, parse_handle
 from hp.core.k8s.manifest import ManifestConfig
+from hp.core.testing import fake_kubernetes_api
 
 K8S_VERSION = "1.36.0"
 DATA = Path(__file__).parent / "data" / "k8s_watch"
-CORE = {"configmaps": "ConfigMap", "services": "Service", "pods": "Pod", "secrets": "Secret"}
+CORE = {"configmaps": "ConfigMap", "services": "Service", "pods": "Pod", "secrets": "Secret",
+        "serviceaccounts": "ServiceAccount"}
+RBAC = "rbac.authorization.k8s.io"
+BUILTIN = {"": CORE, RBAC: {"roles": "Role", "rolebindings": "RoleBinding", "clusterroles": "ClusterRole",
+                            "clusterrolebindings": "ClusterRoleBinding"}}  # group -> plural -> kind
+CLUSTER_SCOPED = {"clusterroles", "clusterrolebindings"}
+KEPT = {("default", "secrets", "demo-token"), ("team-a", "localqueues", "team-a-queue")}  # the fixture's own
 
 
 def _final_objects(name: str) -> dict[tuple[str, str], dict]:
@@ -49,7 +56,7 @@ class FakeApi:
     def __init__(self) -> None:
         self.namespaces = {"default", "team-a"}
         self.crds = {"jobset.x-k8s.io", "kueue.x-k8s.io", "batch.volcano.sh"}
-        self.objects: dict[tuple[str, str, str], dict] = {}  # (namespace, plural, name) -> object
+        self.objects: dict[tuple[str | None, str, str], dict] = {}  # (namespace or None, plural, name) -> object
         self.nodes: list[dict] = []
         self.requests: list[tuple[str, str]] = []
         self.refuse: set[str] = set()  # plurals whose creation is refused (422)
@@ -100,7 +107,10 @@ class Handler(BaseHTTPRequestHandler):
         return group, None, rest[0], (rest[1] if len(rest) > 1 else None), query
 
     def _missing(self, group: str, namespace: str | None, plural: str) -> bool:
-        if group and group not in self.api.crds:
+        if group in BUILTIN and (plural in CLUSTER_SCOPED) != (namespace is None):  # e.g. a namespaced clusterrole
+            self._send(404, _status(404, "NotFound", "the server could not find the requested resource"))
+            return True
+        if group and group not in BUILTIN and group not in self.api.crds:
             self._send(404, _status(404, "NotFound", "the server could not find the requested resource"))
             return True
         if namespace is not None and namespace not in self.api.namespaces:
@@ -138,15 +148,15 @@ class Handler(BaseHTTPRequestHandler):
         if self._missing(group, namespace, plural):
             return None
         try:  # what the API server would check: the body against its schema
-            if group:
-                schemas.validate(body)
-            else:
-                assert body["kind"] == CORE[plural], (body["kind"], plural)
+            if group in BUILTIN:
+                assert body["kind"] == BUILTIN[group][plural], (body["kind"], plural)
                 kubernetes_validate.validate(body, K8S_VERSION, strict=True)
-        except (schemas.SchemaError, kubernetes_validate.ValidationError, AssertionError) as e:
+            else:
+                schemas.validate(body)
+        except (schemas.SchemaError, kubernetes_validate.ValidationError, AssertionError, KeyError) as e:
             return self._send(422, _status(422, "Invalid", f"invalid body: {str(e)[:200]}"))
         name = body["metadata"]["name"]
-        if body["metadata"].get("namespace", namespace) != namespace:
+        if body["metadata"].get("namespace", namespace) != namespace:  # cluster-scoped: none at all, hp sends none
             return self._send(400, _status(400, "BadRequest", "the namespace of the object does not match"))
         if plural in self.api.refuse:
             return self._send(422, _status(422, "Invalid", f'{body["kind"]}.{group} "{name}" is invalid: refused by the test'))
@@ -181,21 +191,9 @@ def fake_api(tmp_path):
     api.objects[("team-a", "localqueues", "team-a-queue")] = {
         "apiVersion": "kueue.x-k8s.io/v1beta2", "kind": "LocalQueue",
         "metadata": {"name": "team-a-queue", "namespace": "team-a"}, "spec": {"clusterQueue": "cluster-queue"}}
-    handler = type("BoundHandler", (Handler,), {"api": api})
-    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
-    thread.start()
-    kubeconfig = tmp_path / "kubeconfig"
-    kubeconfig.write_text(json.dumps({
-        "apiVersion": "v1", "kind": "Config", "current-context": "fake",
-        "clusters": [{"name": "fake", "cluster": {"server": f"http://127.0.0.1:{server.server_address[1]}"}}],
-        "users": [{"name": "u", "user": {"token": "test-token"}}],
-        "contexts": [{"name": "fake", "context": {"cluster": "fake", "user": "u"}}]}))
-    api.kubeconfig = str(kubeconfig)
-    yield api
-    server.shutdown()
-    server.server_close()
-    thread.join(timeout=5)
+    with fake_kubernetes_api(type("BoundHandler", (Handler,), {"api": api}), tmp_path) as kubeconfig:
+        api.kubeconfig = kubeconfig
+        yield api
 
 
 def _backend(api: FakeApi, **kwargs) -> KubernetesScheduler:
@@ -220,8 +218,14 @@ def test_submit_creates_valid_objects_in_order_then_state_and_cancel(fake_api, v
     posts = [path for method, path in fake_api.requests if method == "POST"]
     custom = "/apis/jobset.x-k8s.io/v1alpha2/namespaces/default/jobsets" if variant == "jobset" \
         else "/apis/batch.volcano.sh/v1alpha1/namespaces/default/jobs"
-    assert posts == ["/api/v1/namespaces/default/configmaps", "/api/v1/namespaces/default/services",
-                     "/api/v1/namespaces/default/pods", custom]
+    rbac = f"/apis/{RBAC}/v1"
+    assert posts == ["/api/v1/namespaces/default/configmaps", "/api/v1/namespaces/default/serviceaccounts",
+                     f"{rbac}/namespaces/default/roles", f"{rbac}/namespaces/default/rolebindings",
+                     f"{rbac}/clusterroles", f"{rbac}/clusterrolebindings",
+                     "/api/v1/namespaces/default/services", "/api/v1/namespaces/default/pods", custom]
+    assert fake_api.objects[(None, "clusterrolebindings", "hp-watch-default.demo")]["subjects"] == [
+        {"kind": "ServiceAccount", "name": "demo-watch", "namespace": "default"}]
+    assert fake_api.objects[("default", "pods", "demo-controller")]["spec"]["serviceAccountName"] == "demo-watch"
     plural = "jobsets" if variant == "jobset" else "jobs"
     obj = fake_api.objects[("default", plural, "demo")]
     assert backend.state(handle) == "PENDING"
@@ -233,10 +237,26 @@ def test_submit_creates_valid_objects_in_order_then_state_and_cancel(fake_api, v
     else:
         obj["status"] = {"state": {"phase": "Completed"}}
     assert backend.wait(handle, poll_s=0.01) == "SUCCEEDED"
+    fake_api.requests.clear()
     backend.cancel(handle)
-    assert not fake_api.objects.keys() - {("default", "secrets", "demo-token"), ("team-a", "localqueues", "team-a-queue")}
+    assert set(fake_api.objects) == KEPT
+    assert [p for m, p in fake_api.requests if m == "DELETE"][-5:] == [  # the RBAC objects last, in reverse
+        f"{rbac}/clusterrolebindings/hp-watch-default.demo", f"{rbac}/clusterroles/hp-watch-default.demo",
+        f"{rbac}/namespaces/default/rolebindings/demo-watch", f"{rbac}/namespaces/default/roles/demo-watch",
+        "/api/v1/namespaces/default/serviceaccounts/demo-watch"]
     assert backend.state(handle) is None  # gone
     backend.cancel(handle)  # twice is fine
+
+
+def test_no_watch_or_a_named_account_creates_no_rbac_and_cancel_still_works(fake_api):
+    backend = _backend(fake_api)
+    for name, change in (("plain", {"watch": False}), ("named", {"service_account": "trainer"})):
+        cfg = ManifestConfig(name=name, entrypoint="train.py", token_secret="demo-token", memory="16Gi", **change)
+        fake_api.requests.clear()
+        handle = backend.submit(cfg)
+        assert [p.rsplit("/", 1)[1] for m, p in fake_api.requests if m == "POST"] == ["services", "pods", "jobsets"]
+        backend.cancel(handle)  # the RBAC objects it never had: 404, fine
+        assert set(fake_api.objects) == KEPT
 
 
 def test_submit_with_a_kueue_queue_checks_it_exists(fake_api):
@@ -268,9 +288,23 @@ def test_a_refused_object_rolls_back_what_was_created(fake_api):
     fake_api.refuse.add("jobsets")
     with pytest.raises(KubernetesError, match="422 JobSet.jobset.x-k8s.io \"demo\" is invalid"):
         _backend(fake_api).submit(ManifestConfig(name="demo", entrypoint="train.py", memory="16Gi"))
+    rbac = f"/apis/{RBAC}/v1"
     assert [p for m, p in fake_api.requests if m == "DELETE"] == [
-        "/api/v1/namespaces/default/pods/demo-controller", "/api/v1/namespaces/default/services/demo-controller"]
-    assert set(fake_api.objects) == {("default", "secrets", "demo-token"), ("team-a", "localqueues", "team-a-queue")}
+        "/api/v1/namespaces/default/pods/demo-controller", "/api/v1/namespaces/default/services/demo-controller",
+        f"{rbac}/clusterrolebindings/hp-watch-default.demo", f"{rbac}/clusterroles/hp-watch-default.demo",
+        f"{rbac}/namespaces/default/rolebindings/demo-watch", f"{rbac}/namespaces/default/roles/demo-watch",
+        "/api/v1/namespaces/default/serviceaccounts/demo-watch"]
+    assert set(fake_api.objects) == KEPT
+
+
+def test_a_refused_rbac_object_rolls_back_and_is_one_line(fake_api):
+    """A user who may not create ClusterRoles (a namespace admin): what was created goes, the error is one line."""
+    fake_api.refuse.add("clusterroles")
+    with pytest.raises(KubernetesError, match=r"create ClusterRole hp-watch-default.demo: 422") as info:
+        _backend(fake_api).submit(ManifestConfig(name="demo", entrypoint="train.py", memory="16Gi"))
+    assert "\n" not in str(info.value)
+    assert [p.rsplit("/", 1)[1] for m, p in fake_api.requests if m == "DELETE"] == ["demo-watch"] * 3
+    assert set(fake_api.objects) == KEPT
 
 
 def test_a_cluster_without_the_jobset_crd_says_so(fake_api):

@@ -1,8 +1,8 @@
 """Contract tests of `hp k8s manifest` / hp.core.k8s.manifest: no API server runs here, so every generated
 object is checked against the schemas an API server would check it with: Kubernetes' own (kubernetes-validate,
-strict, two versions) for core kinds and for the Job and pod templates inside JobSets and Volcano Jobs, the
-vendored CRDs' openAPIV3Schema (jsonschema, strict fields) for the custom kinds; core kinds also round-trip
-through the official client's models. The flags in the pods' commands are parsed by hp's own CLI parser."""
+strict, two versions) for core and RBAC kinds and for the Job and pod templates inside JobSets and Volcano
+Jobs, the vendored CRDs' openAPIV3Schema (jsonschema, strict fields) for the custom kinds; core and RBAC kinds
+also round-trip through the official client's models. The flags in the pods' commands are parsed by hp's own CLI parser."""
 
 from __future__ import annotations
 
@@ -23,9 +23,10 @@ from kubernetes.client import ApiClient
 
 from hp.core import cli
 from hp.core.k8s import schemas
-from hp.core.k8s.manifest import WRAPPER, ManifestConfig, manifests
+from hp.core.k8s.manifest import WRAPPER, ManifestConfig, manifests, watch_args
 
-K8S_VERSIONS = ("1.31.0", "1.36.0")  # kubernetes-validate 1.37.0 bundles 1.25 .. 1.37; JobSet needs >= 1.29
+K8S_VERSIONS = ("1.31.0", "1.36.0")  # kubernetes-validate 1.37.0 bundles 1.25 .. 1.37; JobSet and native
+                                     # sidecars (the watcher's restartPolicy: Always init container) need >= 1.29
 POLICY = "min_replicas: 2\nmax_replicas: 8\nglobal_batch: 64\nmicro_batch: 4\n"
 REPO = Path(__file__).resolve().parents[3]
 CONFIGS = {
@@ -42,8 +43,13 @@ CONFIGS = {
     "volcano": ManifestConfig(name="demo", entrypoint="train.py", variant="volcano", min_nodes=2, max_nodes=5,
                               scaling_policy=POLICY, queue="research", gpus_per_node=4, memory="128Gi"),
     "volcano-fixed": ManifestConfig(name="fixed", entrypoint="train.py", variant="volcano", min_nodes=3),
+    "no-watch": ManifestConfig(name="plain", entrypoint="train.py", namespace="team-a", watch=False),
 }
-CORE_MODELS = {"ConfigMap": "V1ConfigMap", "Service": "V1Service", "Pod": "V1Pod"}
+CORE_MODELS = {"ConfigMap": "V1ConfigMap", "Service": "V1Service", "Pod": "V1Pod", "ServiceAccount": "V1ServiceAccount",
+               "Role": "V1Role", "RoleBinding": "V1RoleBinding", "ClusterRole": "V1ClusterRole",
+               "ClusterRoleBinding": "V1ClusterRoleBinding"}
+RBAC_KINDS = ["ServiceAccount", "Role", "RoleBinding", "ClusterRole", "ClusterRoleBinding"]
+READ = ["get", "list", "watch"]
 
 
 def _objects(name: str) -> list[dict]:
@@ -188,15 +194,17 @@ def test_kueue_labels_and_split_elastic():
 def test_the_token_is_never_in_a_manifest(monkeypatch, capsys):
     token = "f" * 64
     monkeypatch.setenv("HP_JOB_TOKEN", token)
-    for name in CONFIGS:
+    for name, cfg in CONFIGS.items():
         text = json.dumps(_objects(name))
         assert token not in text
         for obj in _objects(name):
             assert obj["kind"] != "Secret"
             for _, template in _pod_templates(obj):
-                env = {e["name"]: e for e in template["spec"]["containers"][0]["env"]}
-                assert "value" not in env["HP_JOB_TOKEN"]
-                assert env["HP_JOB_TOKEN"]["valueFrom"]["secretKeyRef"] == {"name": CONFIGS[name].secret_name, "key": "token"}
+                for container in template["spec"]["containers"] + template["spec"].get("initContainers", []):
+                    env = {e["name"]: e for e in container["env"]}
+                    assert "value" not in env["HP_JOB_TOKEN"]
+                    assert env["HP_JOB_TOKEN"]["valueFrom"]["secretKeyRef"] == {"name": cfg.secret_name,
+                                                                                "key": "token"}
     assert cli.main(["k8s", "manifest", "--name", "demo", "train.py"]) == 0
     out, err = capsys.readouterr()
     assert token not in out and token not in err and "create secret generic demo-token" in err
@@ -217,6 +225,10 @@ BAD = [
     (["--name", "demo", "--grace-period", "0"], "--grace-period must be in (0, 86400]"),
     (["--name", "demo", "--nnodes", "1:2", "--scaling-policy", "/nonexistent/policy.yaml"], "policy"),
     (["--name", "demo", "--variant", "slurm"], "invalid choice"),
+    (["--name", "demo", "--not-ready-grace", "0"], "--not-ready-grace must be in (0, 3600]"),
+    (["--name", "demo", "--not-ready-grace", "3601"], "--not-ready-grace must be in (0, 3600]"),
+    (["--name", "demo", "--not-ready-grace", "nan"], "--not-ready-grace must be in (0, 3600]"),
+    (["--name", "demo", "--not-ready-grace", "soon"], "--not-ready-grace: invalid float value"),
 ]
 
 
@@ -232,14 +244,119 @@ def test_bad_options_are_one_line_exit_2_nothing_written(flags, message, capsys,
 def test_the_command_prints_a_yaml_stream_of_the_same_objects():
     args = ["k8s", "manifest", "--name", "demo", "--nnodes", "1:3", "--scaling-policy", "examples/policy.yaml",
             "--gpus-per-node", "8", "--memory", "256Gi", "train.py", "--steps", "5"]
-    done = subprocess.run([sys.executable, "-m", "hp.core.cli", *args], cwd=REPO, capture_output=True, text=True, timeout=60)
+    done = subprocess.run([sys.executable, "-m", "hp.core.cli", *args], cwd=REPO, capture_output=True, text=True, timeout=60,
+                          check=False)
     assert done.returncode == 0, done.stderr
     docs = list(yaml.safe_load_all(done.stdout))
+    assert "&id" not in done.stdout  # no YAML anchors: no two places share one list
     as_json = subprocess.run([sys.executable, "-m", "hp.core.cli", *args[:2], "--json", *args[2:]], cwd=REPO,
-                             capture_output=True, text=True, timeout=60)
+                             capture_output=True, text=True, timeout=60, check=False)
     assert docs == json.loads(as_json.stdout)
-    assert [d["kind"] for d in docs] == ["ConfigMap", "Service", "Pod", "JobSet"]
+    assert [d["kind"] for d in docs] == ["ConfigMap", *RBAC_KINDS, "Service", "Pod", "JobSet"]
     assert docs[0]["data"]["policy.yaml"] == (REPO / "examples" / "policy.yaml").read_text()
+
+
+# --- the watcher: its sidecar, its RBAC objects, the workers' incarnation ------------------------------------
+
+
+def _manifest_cli(capsys, *flags: str) -> list[dict]:
+    assert cli.main(["k8s", "manifest", "--json", *flags, "train.py"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_worker_pods_know_their_incarnation_and_mount_no_token(name):
+    """HP_NODE_INCARNATION is the pod's uid (a replacement pod of the same name has another one); workers never
+    call the API, so they get no service account token."""
+    templates = [(g, t) for obj in _objects(name) for g, t in _pod_templates(obj) if g != "controller"]
+    assert templates
+    for _, template in templates:
+        env = {e["name"]: e for e in template["spec"]["containers"][0]["env"]}
+        assert env["HP_NODE_INCARNATION"] == {"name": "HP_NODE_INCARNATION",
+                                              "valueFrom": {"fieldRef": {"fieldPath": "metadata.uid"}}}
+        assert template["spec"]["automountServiceAccountToken"] is False
+
+
+def test_the_controller_pod_runs_the_watcher_as_a_native_sidecar():
+    cfg = CONFIGS["elastic-kueue"]
+    pod = next(o for o in _objects("elastic-kueue") if o["kind"] == "Pod")
+    controller, = pod["spec"]["containers"]
+    sidecar, = pod["spec"]["initContainers"]
+    assert (sidecar["name"], sidecar["restartPolicy"]) == ("watch", "Always")
+    assert sidecar["command"] == ["hp", *watch_args(cfg)] == [
+        "hp", "k8s", "watch", "--job", "llama-8b", "--namespace", "team-a", "--controller", "$(HP_POD_IP):29400",
+        "--nproc-per-node", "8", "--not-ready-grace", "10"]
+    assert (sidecar["image"], sidecar["securityContext"]) == (controller["image"], controller["securityContext"])
+    assert sidecar["env"] == controller["env"]  # HP_POD_IP from status.podIP, the token from the Secret
+    assert sidecar["env"][0] == {"name": "HP_POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}
+    small = {"cpu": "100m", "memory": "256Mi"}
+    assert sidecar["resources"] == {"requests": small, "limits": small}
+    assert "ports" not in sidecar and "volumeMounts" not in sidecar
+    assert pod["spec"]["restartPolicy"] == "OnFailure"  # the controller's: the pod still completes
+    assert pod["spec"]["serviceAccountName"] == "llama-8b-watch"
+    assert "automountServiceAccountToken" not in pod["spec"]  # the watcher needs the token
+    grace = ManifestConfig(name="x", entrypoint="t.py", not_ready_grace_s=2.5, nproc_per_node=4)
+    assert watch_args(grace)[-4:] == ["--nproc-per-node", "4", "--not-ready-grace", "2.5"]
+
+
+def test_the_watchers_rbac_objects_grant_reading_pods_workloads_and_nodes():
+    objects = _objects("elastic-kueue")
+    assert [o["kind"] for o in objects] == ["ConfigMap", *RBAC_KINDS, "Service", "Pod", "JobSet"]
+    rbac = {o["kind"]: o for o in objects if o["kind"] in RBAC_KINDS}
+    own, cluster = "llama-8b-watch", "hp-watch-team-a.llama-8b"
+    for kind in ("ServiceAccount", "Role", "RoleBinding"):
+        assert rbac[kind]["metadata"] == {"name": own, "namespace": "team-a", "labels": {"hp.dev/job": "llama-8b"}}
+    for kind in ("ClusterRole", "ClusterRoleBinding"):  # cluster-scoped: no namespace
+        assert rbac[kind]["metadata"] == {"name": cluster, "labels": {"hp.dev/job": "llama-8b", "hp.dev/namespace": "team-a"}}
+    assert rbac["Role"]["rules"] == [{"apiGroups": [""], "resources": ["pods"], "verbs": READ},
+                                     {"apiGroups": ["kueue.x-k8s.io"], "resources": ["workloads"], "verbs": READ}]
+    assert rbac["ClusterRole"]["rules"] == [{"apiGroups": [""], "resources": ["nodes"], "verbs": READ}]
+    subjects = [{"kind": "ServiceAccount", "name": own, "namespace": "team-a"}]
+    assert rbac["RoleBinding"]["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": own}
+    assert rbac["ClusterRoleBinding"]["roleRef"] == {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole",
+                                                     "name": cluster}
+    assert rbac["RoleBinding"]["subjects"] == rbac["ClusterRoleBinding"]["subjects"] == subjects
+    rbac["Role"]["rules"][0]["verbs"].append("delete")  # each object its own lists
+    assert next(o for o in _objects("elastic-kueue") if o["kind"] == "Role")["rules"][0]["verbs"] == READ
+
+
+def test_cluster_scoped_names_keep_jobs_apart():
+    """Namespace team-a job x and namespace team job a-x: distinct ClusterRoles, each a DNS-1123 subdomain."""
+    def cluster_role(namespace: str, name: str) -> str:
+        cfg = ManifestConfig(name=name, entrypoint="t.py", namespace=namespace)
+        return next(o for o in manifests(cfg) if o["kind"] == "ClusterRole")["metadata"]["name"]
+
+    assert cluster_role("team-a", "x") != cluster_role("team", "a-x")
+    longest = cluster_role("n" * 63, "j" * 40)
+    assert len(longest) <= 253
+    kubernetes_validate.validate({"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRole",
+                                  "metadata": {"name": longest}, "rules": []}, "1.36.0", strict=True)
+
+
+def test_no_watch_gives_no_sidecar_and_no_rbac(capsys):
+    objects = _manifest_cli(capsys, "--name", "demo", "--no-watch")
+    assert [o["kind"] for o in objects] == ["Service", "Pod", "JobSet"]
+    pod = objects[1]
+    assert "initContainers" not in pod["spec"] and "serviceAccountName" not in pod["spec"]
+    assert all("watch" not in " ".join(c["command"]) for c in pod["spec"]["containers"])
+
+
+def test_a_named_service_account_gets_the_sidecar_and_no_rbac(capsys):
+    objects = _manifest_cli(capsys, "--name", "demo", "--service-account", "trainer", "--not-ready-grace", "30")
+    assert [o["kind"] for o in objects] == ["Service", "Pod", "JobSet"]
+    pod = objects[1]
+    assert pod["spec"]["serviceAccountName"] == "trainer"
+    assert pod["spec"]["initContainers"][0]["command"][-2:] == ["--not-ready-grace", "30"]
+    worker = objects[2]["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]
+    assert worker["serviceAccountName"] == "trainer" and worker["automountServiceAccountToken"] is False
+
+
+def test_the_cli_defaults_are_the_configs():
+    args = cli.build_parser().parse_args(["k8s", "manifest", "--name", "demo", "train.py"])
+    from hp.core.k8s.cli import config_from_args
+
+    cfg = config_from_args(args)
+    assert (cfg.watch, cfg.not_ready_grace_s) == (True, 10.0) == (ManifestConfig.watch, ManifestConfig.not_ready_grace_s)
 
 
 # --- the pods' shell wrapper, run for real with a stand-in `hp` ---------------------------------------------

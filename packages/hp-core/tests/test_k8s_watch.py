@@ -146,3 +146,55 @@ def test_an_expired_watch_goes_stale_until_reset():
 def test_malformed_events_are_refused(event):
     with pytest.raises(WatchEventError):
         JobWatch("demo").feed(event)
+
+
+def test_failure_decisions_name_the_pods_node_rank_and_uid():
+    """What hp k8s watch reports to the controller: the node rank the pod's wrapper runs as (its group's
+    HP_RANK_OFFSET plus its completion index) and its uid (the node's incarnation)."""
+    records, now, watch = _node_not_ready()
+    now[0] = 90.0
+    (failure,) = watch.tick()
+    (pod,) = failure.pods
+    lost = next(r["event"]["object"] for r in records if r["event"]["object"]["metadata"].get("uid") == pod.uid)
+    assert lost["spec"]["nodeName"] == "node-b" and pod.name == lost["metadata"]["name"]
+    assert pod.node_rank == int(lost["metadata"]["annotations"]["batch.kubernetes.io/job-completion-index"])
+
+
+@pytest.mark.parametrize("change, rank", [
+    (lambda p: None, 3),
+    (lambda p: p["metadata"]["annotations"].update({"batch.kubernetes.io/job-completion-index": "x"}), None),
+    (lambda p: p["metadata"].pop("annotations"), None),
+    (lambda p: p["spec"]["containers"][0].update(env=[]), None),
+    (lambda p: p["metadata"].update(annotations={"volcano.sh/task-index": "1"}), 3),
+])
+def test_a_pods_node_rank_comes_from_the_pod_alone(change, rank):
+    from hp.core.k8s.watch import node_rank
+
+    pod = {"metadata": {"annotations": {"batch.kubernetes.io/job-completion-index": "1"}},
+           "spec": {"containers": [{"name": "hp", "env": [{"name": "HP_RANK_OFFSET", "value": "2"}]}]}}
+    change(pod)
+    assert node_rank(pod) == rank
+
+
+def test_reactions_report_failures_and_retry_what_could_not_be_told():
+    from hp.core.k8s.operator import Reactions
+    from hp.core.k8s.watch import Decision, PodRef
+    from hp.core.scaling import ScaleEvent
+    from hp.core.scheduler import Capacity
+
+    answers, calls, said = [False, True, True], [], []
+
+    def report(node, reason, uid):
+        calls.append((node, uid))
+        return answers.pop(0)
+
+    cap = Capacity(hosts=1, slots_per_host=1)
+    reactions = Reactions(report, log=said.append)
+    reactions.act([Decision(0, ScaleEvent(PREEMPTION, 1), "pod a: PreemptionByScheduler", cap, (PodRef("a", "ua", 0),)),
+                   Decision(0, ScaleEvent(FAILURE, 2), "node n NotReady", cap,
+                            (PodRef("b", "ub", 1), PodRef("c", "uc", None)))])
+    assert calls == [(1, "ub")]  # a preemption is its pod's SIGTERM to act on; rank None: the heartbeat's
+    assert reactions.pending == [(1, "node n NotReady (pod b)", "ub")]
+    assert any("names no node rank" in m for m in said) and any(m.startswith("preemption 1") for m in said)
+    reactions.act([])
+    assert calls == [(1, "ub"), (1, "ub")] and reactions.pending == [] and len(reactions.told) == 1

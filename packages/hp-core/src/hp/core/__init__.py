@@ -32,7 +32,7 @@ _EXPORTS = {
     "Lease": "hp.core.leader", "StateKeeper": "hp.core.leader",
     "Relay": "hp.core.fanout", "Mirror": "hp.core.fanout",
     "SlurmScheduler": "hp.core.slurm", "SlurmCli": "hp.core.slurm", "SlurmError": "hp.core.slurm",
-    "LocalSlurm": "hp.core.slurm_cluster",
+    "LocalSlurm": "hp.core.slurm_cluster", "FailureReport": "hp.core.node_failure",
     "KubernetesScheduler": "hp.core.k8s.backend", "KubernetesError": "hp.core.k8s.backend",
     "ManifestConfig": "hp.core.k8s.manifest", "JobWatch": "hp.core.k8s.watch",
 }

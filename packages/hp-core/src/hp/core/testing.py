@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import json
 import os
 import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -147,3 +151,28 @@ def listening_addresses(port: int) -> set[str]:
             if int(p, 16) == port and state == "0A":  # 0A: LISTEN
                 found.add(addr)
     return found
+
+
+@contextlib.contextmanager
+def fake_kubernetes_api(handler: type, folder: Path, token: str = "test-token") -> Iterator[str]:
+    """Serve ``handler`` (an ``http.server`` request handler standing in for a Kubernetes API server, which
+    cannot run here) on a free loopback port; yields the path of a kubeconfig naming it with a bearer
+    ``token``. The server is stopped on exit, however the test ends."""
+    from http.server import ThreadingHTTPServer
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    server.daemon_threads = True
+    thread = threading.Thread(target=server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True)
+    thread.start()
+    kubeconfig = folder / "kubeconfig"
+    kubeconfig.write_text(json.dumps({
+        "apiVersion": "v1", "kind": "Config", "current-context": "fake",
+        "clusters": [{"name": "fake", "cluster": {"server": f"http://127.0.0.1:{server.server_address[1]}"}}],
+        "users": [{"name": "u", "user": {"token": token}}],
+        "contexts": [{"name": "fake", "context": {"cluster": "fake", "user": "u"}}]}))
+    try:
+        yield str(kubeconfig)
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(timeout=5)

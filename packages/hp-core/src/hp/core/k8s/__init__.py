@@ -1,5 +1,5 @@
 """Kubernetes for hp jobs: manifests (JobSet or Volcano, Kueue labels), the ``kubernetes`` scheduler backend
-and the pure fold of watch events into scale decisions.
+the pure fold of watch events into scale decisions, and the watcher that acts on them in a running job.
 
 ========================== ============================================================================
 module                     one idea
@@ -9,8 +9,10 @@ module                     one idea
 :mod:`.volcano`            the worker groups as a Volcano Job
 :mod:`.schemas`            the vendored CRD schemas (``crds/``) and strict validation against them
 :mod:`.watch`              :class:`JobWatch`: Pod/Node/Workload watch events -> ScaleEvent, Capacity
+:mod:`.rbac`               the watcher's ServiceAccount, Role(Binding), ClusterRole(Binding)
 :mod:`.backend`            :class:`KubernetesScheduler`, the ``kubernetes`` scheduler backend
-:mod:`.cli`                ``hp k8s manifest``
+:mod:`.operator`           ``hp k8s watch``: the watches, and :class:`Reactions` to the decisions
+:mod:`.cli`                ``hp k8s manifest``; :mod:`.watch_cli`: ``hp k8s watch``
 ========================== ============================================================================
 
 Names are imported on first use: nothing here imports the ``kubernetes`` client until a backend talks to
@@ -28,7 +30,8 @@ _EXPORTS = {
     "volcano_job": "hp.core.k8s.volcano",
     "SchemaError": "hp.core.k8s.schemas",
     "JobWatch": "hp.core.k8s.watch", "Phase": "hp.core.k8s.watch", "Decision": "hp.core.k8s.watch",
-    "WatchEventError": "hp.core.k8s.watch",
+    "WatchEventError": "hp.core.k8s.watch", "PodRef": "hp.core.k8s.watch",
+    "Reactions": "hp.core.k8s.operator",
     "KubernetesScheduler": "hp.core.k8s.backend", "KubernetesError": "hp.core.k8s.backend",
     "parse_handle": "hp.core.k8s.backend",
 }

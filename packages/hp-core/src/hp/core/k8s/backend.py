@@ -1,10 +1,11 @@
 """The ``kubernetes`` scheduler backend: an hp job's objects, hosts, capacity and state through the API server.
 
 Everything goes through the official ``kubernetes`` client (hp-core's ``kubernetes`` extra): ``CoreV1Api``
-for the ConfigMap, Service and controller Pod, ``CustomObjectsApi`` for the JobSet or Volcano Job and for
-Kueue's LocalQueues and Workloads. Configuration, first that applies: an ``api_client`` given, the
-in-cluster service account (``KUBERNETES_SERVICE_HOST``), ``kubeconfig`` (else ``$KUBECONFIG`` or
-``~/.kube/config``).
+for the ConfigMap, ServiceAccount, Service and controller Pod, ``RbacAuthorizationV1Api`` for the watcher's
+Role, RoleBinding, ClusterRole and ClusterRoleBinding (:mod:`hp.core.k8s.rbac`), ``CustomObjectsApi`` for
+the JobSet or Volcano Job and for Kueue's LocalQueues and Workloads. Configuration, first that applies: an
+``api_client`` given, the in-cluster service account (``KUBERNETES_SERVICE_HOST``), ``kubeconfig`` (else
+``$KUBECONFIG`` or ``~/.kube/config``).
 
 ``submit`` takes a :class:`hp.core.k8s.manifest.ManifestConfig` (an ``AppDef`` goes to TorchX's
 ``kubernetes`` scheduler, a Volcano job of TorchX's shape), checks the namespace, the Kueue LocalQueue and the
@@ -24,6 +25,7 @@ from hp.core.errors import BackendUnavailableError
 from hp.core.k8s import names
 from hp.core.k8s.manifest import JOB_LABEL, ROLE_LABEL, VARIANTS, ManifestConfig, manifests
 from hp.core.k8s.names import K8sConfigError
+from hp.core.k8s.rbac import object_names
 from hp.core.k8s.watch import JobWatch
 from hp.core.scheduler import Capacity, SchedulerBackend
 
@@ -32,6 +34,11 @@ if TYPE_CHECKING:
 
 KUEUE = ("kueue.x-k8s.io", "v1beta2")
 CUSTOM = {"JobSet": ("jobset.x-k8s.io", "v1alpha2", "jobsets"), "Job": ("batch.volcano.sh", "v1alpha1", "jobs")}
+# kind -> the typed client's method suffix: CoreV1Api's {create,delete}_namespaced_<suffix>, and
+# RbacAuthorizationV1Api's {create,delete}_<suffix> (cluster-scoped where the suffix is not namespaced_*)
+CORE_KINDS = {"ConfigMap": "config_map", "ServiceAccount": "service_account", "Service": "service", "Pod": "pod"}
+RBAC_KINDS = {"Role": "namespaced_role", "RoleBinding": "namespaced_role_binding", "ClusterRole": "cluster_role",
+              "ClusterRoleBinding": "cluster_role_binding"}
 TERMINAL = frozenset({"SUCCEEDED", "FAILED"})
 VOLCANO_PHASES = {"Completed": "SUCCEEDED", "Failed": "FAILED", "Aborted": "FAILED", "Terminated": "FAILED",
                   "Pending": "PENDING", "Running": "RUNNING", "Restarting": "RUNNING", "Completing": "RUNNING",
@@ -77,15 +84,27 @@ class KubernetesScheduler(SchedulerBackend):
             raise KubernetesError(f"kubernetes: bad configuration: {str(e).splitlines()[0] if str(e) else e!r}") from None
         return self._api
 
-    def _core(self) -> Any:
+    def core(self) -> Any:
         from kubernetes import client
 
         return client.CoreV1Api(self.api_client())
 
-    def _custom(self) -> Any:
+    def custom(self) -> Any:
         from kubernetes import client
 
         return client.CustomObjectsApi(self.api_client())
+
+    def _rbac(self) -> Any:
+        from kubernetes import client
+
+        return client.RbacAuthorizationV1Api(self.api_client())
+
+    def _typed(self, verb: str, kind: str) -> tuple[Any, bool]:
+        """The typed client's method that does ``verb`` (create, delete) to a ``kind`` of
+        :data:`CORE_KINDS` or :data:`RBAC_KINDS`, and whether that kind lives in a namespace."""
+        if kind in CORE_KINDS:
+            return getattr(self.core(), f"{verb}_namespaced_{CORE_KINDS[kind]}"), True
+        return getattr(self._rbac(), f"{verb}_{RBAC_KINDS[kind]}"), RBAC_KINDS[kind].startswith("namespaced_")
 
     def _call(self, what: str, fn: Any, *args: Any, missing_ok: bool = False, missing: str | None = None,
               **kwargs: Any) -> Any:
@@ -126,12 +145,12 @@ class KubernetesScheduler(SchedulerBackend):
         return f"kubernetes://{app.namespace}/{app.variant}/{app.name}"
 
     def _check_exists(self, cfg: ManifestConfig) -> None:
-        core = self._core()
+        core = self.core()
         if self._call(f"namespace {cfg.namespace}", core.read_namespace, cfg.namespace, missing_ok=True) is None:
             raise KubernetesError(f"kubernetes: unknown namespace {cfg.namespace!r}")
         if cfg.queue is not None and cfg.variant == "jobset":
             group, version = KUEUE
-            if self._call(f"LocalQueue {cfg.queue}", self._custom().get_namespaced_custom_object, group, version,
+            if self._call(f"LocalQueue {cfg.queue}", self.custom().get_namespaced_custom_object, group, version,
                           cfg.namespace, "localqueues", cfg.queue, missing_ok=True) is None:
                 raise KubernetesError(f"kubernetes: unknown Kueue LocalQueue {cfg.queue!r} in namespace {cfg.namespace!r}")
         if self._call(f"Secret {cfg.secret_name}", core.read_namespaced_secret, cfg.secret_name, cfg.namespace,
@@ -141,36 +160,36 @@ class KubernetesScheduler(SchedulerBackend):
                                   f"--from-literal={cfg.token_key}=$(hp token)")
 
     def _create(self, obj: dict) -> None:
-        kind, name, ns = obj["kind"], obj["metadata"]["name"], obj["metadata"]["namespace"]
+        kind, name, ns = obj["kind"], obj["metadata"]["name"], obj["metadata"].get("namespace")
         if kind in CUSTOM:
             group, version, plural = CUSTOM[kind]
-            self._call(f"create {kind} {name}", self._custom().create_namespaced_custom_object, group, version, ns,
+            self._call(f"create {kind} {name}", self.custom().create_namespaced_custom_object, group, version, ns,
                        plural, obj, missing=f"the {kind} kind ({group}/{version}) is not installed in the cluster")
             return
-        create = {"ConfigMap": "create_namespaced_config_map", "Service": "create_namespaced_service",
-                  "Pod": "create_namespaced_pod"}[kind]
-        self._call(f"create {kind} {name}", getattr(self._core(), create), ns, obj)
+        create, namespaced = self._typed("create", kind)
+        self._call(f"create {kind} {name}", create, *([ns] if namespaced else []), obj)
 
     def _delete(self, kind: str, name: str, namespace: str) -> None:
         """Delete one object (its dependents in the background); gone already is fine."""
         if kind in CUSTOM:
             group, version, plural = CUSTOM[kind]
-            self._call(f"delete {kind} {name}", self._custom().delete_namespaced_custom_object, group, version,
+            self._call(f"delete {kind} {name}", self.custom().delete_namespaced_custom_object, group, version,
                        namespace, plural, name, propagation_policy="Background", missing_ok=True)
             return
-        delete = {"ConfigMap": "delete_namespaced_config_map", "Service": "delete_namespaced_service",
-                  "Pod": "delete_namespaced_pod"}[kind]
-        self._call(f"delete {kind} {name}", getattr(self._core(), delete), name, namespace, missing_ok=True)
+        delete, namespaced = self._typed("delete", kind)
+        self._call(f"delete {kind} {name}", delete, name, *([namespace] if namespaced else []), missing_ok=True)
 
     def cancel(self, handle: str) -> None:
-        """Delete every object of the job (the workers first; the pods get their grace period)."""
+        """Delete every object of the job (the workers first; the pods get their grace period), the watcher's
+        RBAC objects last (the sidecar keeps reading while its pod stops; a job without them: 404, fine)."""
         namespace, variant, name = parse_handle(handle)
         if variant == "volcano":
             self._delete("Job", name, namespace)
         else:
             for js in (name, f"{name}-elastic"):
                 self._delete("JobSet", js, namespace)
-        for kind, obj in (("Pod", f"{name}-controller"), ("Service", f"{name}-controller"), ("ConfigMap", f"{name}-policy")):
+        for kind, obj in (("Pod", f"{name}-controller"), ("Service", f"{name}-controller"), ("ConfigMap", f"{name}-policy"),
+                          *reversed(object_names(namespace, name))):
             self._delete(kind, obj, namespace)
 
     # --- state ----------------------------------------------------------------------------------------------
@@ -181,7 +200,7 @@ class KubernetesScheduler(SchedulerBackend):
         namespace, variant, name = parse_handle(handle)
         kind = "Job" if variant == "volcano" else "JobSet"
         group, version, plural = CUSTOM[kind]
-        obj = self._call(f"get {kind} {name}", self._custom().get_namespaced_custom_object, group, version, namespace,
+        obj = self._call(f"get {kind} {name}", self.custom().get_namespaced_custom_object, group, version, namespace,
                          plural, name, missing_ok=True)
         if obj is None:
             return None
@@ -210,14 +229,14 @@ class KubernetesScheduler(SchedulerBackend):
         if job is None:
             raise KubernetesError("kubernetes: name the job (its hp.dev/job label; HP_K8S_JOB inside its pods)")
         names.dns_label(job, "the job name")
-        core = self._core()
+        core = self.core()
         if self._call(f"namespace {self.namespace}", core.read_namespace, self.namespace, missing_ok=True) is None:
             raise KubernetesError(f"kubernetes: unknown namespace {self.namespace!r}")
         watch = JobWatch(job, nproc_per_node)
         pods = self._call("list pods", core.list_namespaced_pod, self.namespace,
                           label_selector=f"{JOB_LABEL}={job},{ROLE_LABEL}=worker")
         nodes = self._call("list nodes", core.list_node)
-        workloads = self._call("list workloads", self._custom().list_namespaced_custom_object, *KUEUE, self.namespace,
+        workloads = self._call("list workloads", self.custom().list_namespaced_custom_object, *KUEUE, self.namespace,
                                "workloads", missing_ok=True)  # no Kueue in the cluster: 404
         api = self.api_client()
         for kind, items in (("Node", nodes.items), ("Pod", pods.items)):
@@ -241,7 +260,7 @@ class KubernetesScheduler(SchedulerBackend):
 
     def localqueues(self) -> list[str]:
         """The Kueue LocalQueues of the namespace (``kueue.x-k8s.io/queue-name`` values a job may use)."""
-        found = self._call("list localqueues", self._custom().list_namespaced_custom_object, *KUEUE, self.namespace,
+        found = self._call("list localqueues", self.custom().list_namespaced_custom_object, *KUEUE, self.namespace,
                            "localqueues", missing_ok=True)
         return sorted(q["metadata"]["name"] for q in (found or {}).get("items", []))
 

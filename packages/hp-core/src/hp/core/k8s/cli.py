@@ -15,6 +15,7 @@ import sys
 import yaml
 
 from hp.core.errors import UsageError
+from hp.core.k8s import watch_cli
 from hp.core.k8s.manifest import DEFAULT_IMAGE, VARIANTS, ManifestConfig, manifests
 
 
@@ -50,13 +51,19 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     a("--split-elastic", action="store_true", help="the elastic group as a JobSet of its own: Kueue can evict it alone")
     a("--base-priority-class", default="hp-base", help="PriorityClass of the controller and the base group")
     a("--elastic-priority-class", default="hp-elastic", help="PriorityClass of the elastic group (lower)")
-    a("--service-account", default=None)
+    a("--service-account", default=None, help="the pods' service account; with the watcher, the cluster's admin "
+                                                "gives it its rules (hp.core.k8s.rbac) and no RBAC object is printed")
+    a("--no-watch", action="store_true", help="no `hp k8s watch` sidecar beside the controller, and no RBAC objects: "
+                                              "the job learns of lost pods from heartbeats alone")
+    a("--not-ready-grace", type=float, default=10.0, metavar="SECONDS",
+      help="the watcher's wait before a NotReady node's pods count as failed (default 10)")
     a("--node-selector", action="append", default=[], metavar="KEY=VALUE", help="repeatable")
     a("--json", action="store_true", help="print a JSON list instead of a YAML stream")
     a("-m", "--module", action="store_true", help="the entrypoint is a Python module")
     a("entrypoint", help="the training script (or module), as a path inside the image")
     a("args", nargs=argparse.REMAINDER, help="its arguments")
     p.set_defaults(handler=_manifest)
+    watch_cli.add_parser(commands)
 
 
 def config_from_args(args: argparse.Namespace) -> ManifestConfig:
@@ -89,7 +96,8 @@ def config_from_args(args: argparse.Namespace) -> ManifestConfig:
         queue=args.queue, workload_priority_class=args.workload_priority_class,
         elastic_workload_priority_class=args.elastic_workload_priority_class, split_elastic=args.split_elastic,
         base_priority_class=args.base_priority_class, elastic_priority_class=args.elastic_priority_class,
-        service_account=args.service_account, node_selector=selector,
+        service_account=args.service_account, watch=not args.no_watch, not_ready_grace_s=args.not_ready_grace,
+        node_selector=selector,
     )
 
 

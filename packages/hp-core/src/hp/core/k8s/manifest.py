@@ -3,13 +3,18 @@
 :func:`manifests` returns, in the order to apply them:
 
 1. ``ConfigMap <name>-policy`` (elastic jobs): the ``ScalingPolicy`` YAML, mounted at :data:`POLICY_PATH`.
-2. ``Service <name>-controller``: headless, so its DNS name resolves to the controller pod's IP. The
+2. ``watch`` on, no ``service_account``: the watcher's ``ServiceAccount``, ``Role``, ``RoleBinding``,
+   ``ClusterRole`` and ``ClusterRoleBinding`` (:mod:`hp.core.k8s.rbac`, which says what a named one needs).
+3. ``Service <name>-controller``: headless, so its DNS name resolves to the controller pod's IP. The
    controller tells agents its store's address (the ``--host`` it binds, the pod IP) and a random port:
    only a headless Service reaches that port.
-3. ``Pod <name>-controller``: ``hp controller`` alone (``restartPolicy: OnFailure``), so every worker pod
-   may leave. A bare pod, not a Deployment: it exits 0 when the job succeeded and must stay done; a
+4. ``Pod <name>-controller``: ``hp controller`` (``restartPolicy: OnFailure``), so every worker pod may
+   leave. A bare pod, not a Deployment: it exits 0 when the job succeeded and must stay done; a
    controller restarted elsewhere would hold none of the job's state anyway (that is ``--store etcd``).
-4. The workers: a ``JobSet`` (jobset.x-k8s.io/v1alpha2) with two replicated jobs, ``base`` (``min_nodes``
+   With ``watch``, ``hp k8s watch`` (:func:`watch_args`: pod, node and Kueue events to the controller)
+   runs beside it as a native sidecar (``restartPolicy: Always``, Kubernetes >= 1.29), stopped when
+   ``hp controller`` ends, so the pod still completes.
+5. The workers: a ``JobSet`` (jobset.x-k8s.io/v1alpha2) with two replicated jobs, ``base`` (``min_nodes``
    pods, the high PriorityClass) and ``elastic`` (``max_nodes - min_nodes`` pods, the low one), each one
    Indexed ``batch/v1`` Job; or, with ``variant="volcano"``, one Volcano ``Job`` (batch.volcano.sh/v1alpha1)
    with the two groups as tasks, gang-scheduled at ``minAvailable = min_nodes``.
@@ -18,6 +23,8 @@ A worker's ``--node-rank`` is its group's offset plus its index in the group: th
 the index into the pod annotation ``batch.kubernetes.io/job-completion-index`` (Volcano:
 ``volcano.sh/task-index``), which the pod reads through the downward API (``HP_INDEX``). Each group is one
 replicated job with ``replicas: 1`` so ``jobset.sigs.k8s.io/job-index`` is always 0 and plays no part.
+The pod's uid (``HP_NODE_INCARNATION``, downward API too) is the agent's at join and the watcher's when it
+reports the node failed: a report about a pod never hits the pod that replaced it under the same name.
 
 Preemption: kube-scheduler preempts single elastic pods (lower PriorityClass); Kueue (``queue``) admits
 and evicts whole workloads, one per JobSet, so with ``split_elastic`` the elastic group is a JobSet of its
@@ -106,7 +113,9 @@ class ManifestConfig:
     split_elastic: bool = False                 # the elastic group as a JobSet of its own (own Kueue workload)
     base_priority_class: str = "hp-base"        # PriorityClass names (cluster objects the admin creates)
     elastic_priority_class: str = "hp-elastic"
-    service_account: str | None = None
+    service_account: str | None = None          # the controller's and workers' (with watch: no RBAC generated)
+    watch: bool = True                          # `hp k8s watch` beside the controller (and its RBAC objects)
+    not_ready_grace_s: float = 10.0             # its wait before a NotReady node's pods count as failed
     node_selector: dict[str, str] = field(default_factory=dict)
 
     @property
@@ -167,6 +176,11 @@ class ManifestConfig:
         for value, what in ((self.grace_period_s, "--grace-period"), (self.heartbeat_timeout_s, "--heartbeat-timeout")):
             if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 86400:
                 raise K8sConfigError(f"{what} must be in (0, 86400] seconds, got {value!r}")
+        if not isinstance(self.watch, bool):
+            raise K8sConfigError(f"watch must be true or false, got {self.watch!r}")
+        value = self.not_ready_grace_s
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 3600:
+            raise K8sConfigError(f"--not-ready-grace must be in (0, 3600] seconds, got {value!r}")
         if self.ckpt_state_gib is not None and (not isinstance(self.ckpt_state_gib, (int, float)) or self.ckpt_state_gib <= 0):
             raise K8sConfigError(f"--ckpt-state-gib must be > 0, got {self.ckpt_state_gib!r}")
         names.quantity(self.cpu, "--cpu")
@@ -217,6 +231,10 @@ def manifests(cfg: ManifestConfig) -> list[dict[str, Any]]:
     out: list[dict[str, Any]] = []
     if cfg.scaling_policy is not None:
         out.append(_object("v1", "ConfigMap", f"{cfg.name}-policy", cfg, {"data": {POLICY_FILE: cfg.scaling_policy}}))
+    if cfg.watch and cfg.service_account is None:
+        from hp.core.k8s.rbac import rbac_objects
+
+        out += rbac_objects(cfg)
     out.append(_object("v1", "Service", f"{cfg.name}-controller", cfg, {"spec": {
         "clusterIP": "None", "publishNotReadyAddresses": True,
         "selector": {JOB_LABEL: cfg.name, ROLE_LABEL: "controller"},
@@ -304,11 +322,13 @@ def worker_pod_template(cfg: ManifestConfig, group: str, index_annotation: str) 
     env = [{"name": "HP_RANK_OFFSET", "value": str(group_offset(cfg, group))},
            {"name": "HP_INDEX", "valueFrom": {"fieldRef": {"fieldPath": f"metadata.annotations['{index_annotation}']"}}},
            {"name": "HP_NODE_NAME", "valueFrom": {"fieldRef": {"fieldPath": "spec.nodeName"}}},
-           {"name": "HP_K8S_JOB", "value": cfg.name},  # for the kubernetes backend inside the pod
+           {"name": "HP_K8S_JOB", "value": cfg.name},  # the backend's default job (no API token here)
            {"name": "HP_K8S_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}},
-           {"name": "HP_POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}}]
+           {"name": "HP_POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+           {"name": "HP_NODE_INCARNATION", "valueFrom": {"fieldRef": {"fieldPath": "metadata.uid"}}}]
     container = _container(cfg, ["/bin/sh", "-c", WRAPPER, "hp-run", *hp_run_args(cfg)], env, worker=True)
     spec = _pod_spec(cfg, container, cfg.base_priority_class if group == BASE else cfg.elastic_priority_class, "Never")
+    spec["automountServiceAccountToken"] = False  # workers never call the API: no token to steal there
     spec["volumes"].append({"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": cfg.shm}})
     return {"metadata": {"labels": {JOB_LABEL: cfg.name, ROLE_LABEL: "worker", GROUP_LABEL: group}}, "spec": spec}
 
@@ -321,7 +341,32 @@ def _controller_spec(cfg: ManifestConfig) -> dict[str, Any]:
     env = [{"name": "HP_POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}]
     container = _container(cfg, ["hp", *args], env, worker=False)
     container["readinessProbe"] = {"tcpSocket": {"port": CONTROL_PORT}, "periodSeconds": 5}
-    return _pod_spec(cfg, container, cfg.base_priority_class, "OnFailure")
+    spec = _pod_spec(cfg, container, cfg.base_priority_class, "OnFailure")
+    if cfg.watch:
+        from hp.core.k8s.rbac import account_name
+
+        spec["initContainers"] = [_watch_container(cfg)]
+        spec.setdefault("serviceAccountName", account_name(cfg.name))  # the user's, else rbac.py's
+    return spec
+
+
+def watch_args(cfg: ManifestConfig) -> list[str]:
+    """The sidecar's command after ``hp``: ``hp k8s watch`` of this job, telling the controller of the same
+    pod (at the pod IP it binds) what the job's pods, the nodes and Kueue's workloads do."""
+    return ["k8s", "watch", "--job", cfg.name, "--namespace", cfg.namespace,
+            "--controller", f"$(HP_POD_IP):{CONTROL_PORT}", "--nproc-per-node", str(cfg.nproc_per_node),
+            "--not-ready-grace", f"{cfg.not_ready_grace_s:g}"]
+
+
+def _watch_container(cfg: ManifestConfig) -> dict[str, Any]:
+    """The native sidecar (``restartPolicy: Always``): the controller's image, user and token, small
+    resources, no port and no volume."""
+    env = [{"name": "HP_POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}]
+    container = _container(cfg, ["hp", *watch_args(cfg)], env, worker=False)
+    del container["name"], container["ports"], container["volumeMounts"]
+    small = {"cpu": "100m", "memory": "256Mi"}
+    return {"name": "watch", "restartPolicy": "Always", **container,
+            "resources": {"requests": dict(small), "limits": dict(small)}}
 
 
 def _container(cfg: ManifestConfig, command: list[str], env: list[dict], worker: bool) -> dict[str, Any]:

@@ -33,7 +33,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from hp.core.k8s.manifest import GROUP_LABEL, JOB_LABEL, ROLE_LABEL
+from hp.core.k8s.manifest import (
+    GROUP_LABEL, JOB_INDEX_ANNOTATION, JOB_LABEL, ROLE_LABEL, VOLCANO_INDEX_ANNOTATION,
+)
 from hp.core.scaling import CAPACITY, FAILURE, PREEMPTION, ScaleEvent
 from hp.core.scheduler import Capacity
 
@@ -55,18 +57,32 @@ class WatchEventError(ValueError):
 
 
 @dataclass(frozen=True)
+class PodRef:
+    """A worker pod a decision is about: ``node_rank`` (its group's offset plus its index; None where the pod
+    does not say) and ``uid``, the node's incarnation (``HP_NODE_INCARNATION``)."""
+
+    name: str
+    uid: str
+    node_rank: int | None
+
+
+@dataclass(frozen=True)
 class Decision:
-    """One decision: ``event`` for the controller's :class:`hp.core.scaling.Scaler`, and why."""
+    """One decision: ``event`` for the controller's :class:`hp.core.scaling.Scaler`, and why; ``pods``:
+    the worker pods it counts (failure and preemption decisions)."""
 
     at: float
     event: ScaleEvent
     reason: str
     capacity: Capacity
+    pods: tuple[PodRef, ...] = ()
 
 
 @dataclass
 class _Pod:
     group: str
+    name: str = ""
+    node_rank: int | None = None
     jobset: str = ""  # the JobSet that owns it (jobset.sigs.k8s.io/jobset-name): its Kueue Workload's owner
     node: str = ""
     phase: str = "Pending"
@@ -80,6 +96,20 @@ class _Workload:
     evicted: bool = False
     pods: int = 0
     owners: frozenset[str] = frozenset()  # the JobSet(s) it admits
+
+
+def node_rank(pod: dict[str, Any]) -> int | None:
+    """A worker pod's ``--node-rank``, as its wrapper computes it (``HP_RANK_OFFSET`` + its index), from the
+    pod object alone; None where it does not say (not one of hp's worker pods)."""
+    annotations = (pod.get("metadata") or {}).get("annotations") or {}
+    index = annotations.get(JOB_INDEX_ANNOTATION, annotations.get(VOLCANO_INDEX_ANNOTATION))
+    containers = (pod.get("spec") or {}).get("containers") or []
+    env = {e.get("name"): e.get("value") for c in containers if isinstance(c, dict)
+           for e in c.get("env") or [] if isinstance(e, dict)}
+    offset = env.get("HP_RANK_OFFSET")
+    if not (isinstance(index, str) and index.isdigit() and isinstance(offset, str) and offset.isdigit()):
+        return None
+    return int(offset) + int(index)
 
 
 @dataclass
@@ -124,7 +154,7 @@ class JobWatch:
                 lost = [uid for uid, p in self.pods.items() if p.node == node and uid not in self.counted]
                 if lost:
                     self.counted.update(lost)
-                    self._decide(out, FAILURE, len(lost), f"node {node} NotReady")
+                    self._decide(out, FAILURE, len(lost), f"node {node} NotReady", lost)
         hosts = self.capacity().hosts
         if hosts > self.told_hosts:
             self._decide(out, CAPACITY, 0, f"{hosts} worker pods ready (was {self.told_hosts})")
@@ -165,7 +195,8 @@ class JobWatch:
         uid = meta.get("uid") or meta.get("name", "")
         status, spec = obj.get("status") or {}, obj.get("spec") or {}
         conditions = {c.get("type"): c for c in status.get("conditions") or []}
-        pod = self.pods.setdefault(uid, _Pod(group=labels.get(GROUP_LABEL, ""), jobset=labels.get(JOBSET_LABEL, "")))
+        pod = self.pods.setdefault(uid, _Pod(group=labels.get(GROUP_LABEL, ""), jobset=labels.get(JOBSET_LABEL, ""),
+                                             name=meta.get("name", ""), node_rank=node_rank(obj)))
         pod.node = spec.get("nodeName") or pod.node
         pod.phase = status.get("phase") or pod.phase
         pod.ready = conditions.get("Ready", {}).get("status") == "True"
@@ -174,10 +205,11 @@ class JobWatch:
             pod.disrupted = True
             if uid not in self.counted:
                 self.counted.add(uid)
-                self._decide(out, PREEMPTION, 1, f"pod {meta.get('name')}: {disruption.get('reason', 'DisruptionTarget')}")
+                self._decide(out, PREEMPTION, 1, f"pod {meta.get('name')}: {disruption.get('reason', 'DisruptionTarget')}",
+                             [uid])
         if uid not in self.counted and (kind == "DELETED" and pod.phase != "Succeeded" or pod.phase == "Failed"):
             self.counted.add(uid)
-            self._decide(out, FAILURE, 1, f"pod {meta.get('name')} {'deleted' if kind == 'DELETED' else 'failed'}")
+            self._decide(out, FAILURE, 1, f"pod {meta.get('name')} {'deleted' if kind == 'DELETED' else 'failed'}", [uid])
         if kind == "DELETED":
             del self.pods[uid]
 
@@ -210,14 +242,15 @@ class JobWatch:
                      and p.phase in ("Pending", "Running")]
             self.counted.update(alive)
             self._decide(out, PREEMPTION, len(alive) or w.pods,
-                         f"workload {name} {evicted.get('type')}: {evicted.get('reason', '')}".rstrip(": "))
+                         f"workload {name} {evicted.get('type')}: {evicted.get('reason', '')}".rstrip(": "), alive)
         if admitted and not w.admitted and evicted is None:
             self._decide(out, CAPACITY, 0, f"workload {name} admitted")
         w.evicted, w.admitted = evicted is not None, admitted
 
-    def _decide(self, out: list[Decision], kind: str, count: int, reason: str) -> None:
+    def _decide(self, out: list[Decision], kind: str, count: int, reason: str, uids: list[str] = ()) -> None:
         self._phase()
-        decision = Decision(self.clock(), ScaleEvent(kind, count), reason, self.capacity())
+        pods = tuple(PodRef(self.pods[u].name, u, self.pods[u].node_rank) for u in uids if u in self.pods)
+        decision = Decision(self.clock(), ScaleEvent(kind, count), reason, self.capacity(), pods)
         out.append(decision)
         self.decisions.append(decision)
 
