@@ -88,3 +88,27 @@ def test_unreachable_controller_is_a_clear_error(free_port):
     with pytest.raises(ControlPlaneError, match="unreachable") as e:
         ControlClient(f"127.0.0.1:{free_port}", TOKEN, timeout_s=1).call("state", {})
     assert e.value.status == 0
+
+
+def test_a_failure_report_tells_several_nodes_on_one_reading_of_the_state():
+    """hp.core.node_failure over the wire, as the operator: two nodes lost in one report (each loss a new
+    generation, the second fenced by the first's), a report about an earlier run of a node skipped, and an
+    unreachable controller leaves everything to ask again."""
+    from hp.core.node_failure import FailureReport
+
+    controller = Controller(ControllerConfig(nnodes=3))
+    srv = ControlServer(controller, TOKEN, "127.0.0.1", 0).start()
+    try:
+        for n in range(3):
+            controller.handle("join", {"node_rank": n, "nproc": 1, "host": f"h{n}", "spares": 1, "incarnation": f"u{n}"})
+        said: list[str] = []
+        report = FailureReport(srv.endpoint, TOKEN, log=said.append)
+        failures = [(1, "node b NotReady", "u1"), (2, "pod c deleted", "u2"), (0, "pod a deleted", "u0-before")]
+        assert report.report_all(failures) == []
+        assert controller.nodes[1].lost and controller.nodes[2].lost and not controller.nodes[0].lost
+        assert controller.generation == 3 and any("failed as u0-before" in m for m in said)
+    finally:
+        srv.stop()
+    said.clear()
+    assert FailureReport(srv.endpoint, TOKEN, log=said.append).report_all(failures[:1]) == failures[:1]
+    assert said and "could not report node 1's failure" in said[0]

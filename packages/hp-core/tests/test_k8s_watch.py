@@ -184,9 +184,9 @@ def test_reactions_report_failures_and_retry_what_could_not_be_told():
 
     answers, calls, said = [False, True, True], [], []
 
-    def report(node, reason, uid):
-        calls.append((node, uid))
-        return answers.pop(0)
+    def report(items):
+        calls.extend((node, uid) for node, _, uid in items)
+        return [] if answers.pop(0) else list(items)
 
     cap = Capacity(hosts=1, slots_per_host=1)
     reactions = Reactions(report, log=said.append)

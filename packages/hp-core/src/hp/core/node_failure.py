@@ -31,23 +31,34 @@ class FailureReport:
     def report(self, node: int, reason: str, incarnation: str = "") -> bool:
         """Whether the controller has that node lost (now, or already), or knows it is not that run of the
         node (``incarnation``); False: it could not be told, ask again later."""
+        return not self.report_all([(node, reason, incarnation)])
+
+    def report_all(self, failures: list[tuple[int, str, str]]) -> list[tuple[int, str, str]]:
+        """Report each (node, reason, incarnation) on one reading of the job's state (a watch re-listed
+        after a restart may hold many old pods: one ``state`` for all of them); those that could not be
+        told, to ask again later."""
         from hp.core.control_plane import ControlClient, ControlPlaneError
 
+        left = list(failures)
         try:
             if self._client is None:
                 token = self._token() if callable(self._token) else self._token
                 self._client = ControlClient(self.endpoint, token, node=OPERATOR)
             state = self._client.call(Verb.STATE, {})
-            known = state.get("nodes", {}).get(str(node))
-            if known is None or known["lost"] or known["done"]:
-                return True
-            if incarnation and known.get("incarnation") != incarnation:  # the failed run is gone already
-                self._log(f"node {node} failed as {incarnation}, but the job's node {node} is "
-                          f"{known.get('incarnation') or 'another run'}: nothing to do")
-                return True
-            self._client.call(Verb.NODE_FAILED, {"node": node, "generation": state["generation"], "reason": reason,
-                                                 **({"incarnation": incarnation} if incarnation else {})})
-            return True
-        except (ControlPlaneError, OSError, UsageError) as e:
-            self._log(f"could not report node {node}'s failure to the controller: {e}")
-            return False
+            generation, nodes = state["generation"], state.get("nodes", {})
+            while left:
+                node, reason, incarnation = left[0]
+                known = nodes.get(str(node))
+                if known is not None and not (known["lost"] or known["done"]):
+                    if incarnation and known.get("incarnation") != incarnation:  # the failed run is gone already
+                        self._log(f"node {node} failed as {incarnation}, but the job's node {node} is "
+                                  f"{known.get('incarnation') or 'another run'}: nothing to do")
+                    else:
+                        answer = self._client.call(Verb.NODE_FAILED, {
+                            "node": node, "generation": generation, "reason": reason,
+                            **({"incarnation": incarnation} if incarnation else {})})
+                        generation, known["lost"] = answer["generation"], True  # each loss is a new generation
+                left.pop(0)
+        except (ControlPlaneError, OSError, UsageError, KeyError, TypeError) as e:
+            self._log(f"could not report node {left[0][0]}'s failure to the controller: {e}")
+        return left

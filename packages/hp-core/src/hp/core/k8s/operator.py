@@ -49,11 +49,11 @@ RETRY_S = (0.5, 10.0)  # backoff of a watch that broke
 
 @dataclass
 class Reactions:
-    """What the job does about the decisions (see the module docstring). ``report(node_rank, reason,
-    incarnation)`` tells the controller (:meth:`hp.core.node_failure.FailureReport.report`): True once it
-    knows. Pure: no clock, no I/O of its own."""
+    """What the job does about the decisions (see the module docstring). ``report([(node_rank, reason,
+    incarnation), ...])`` tells the controller (:meth:`hp.core.node_failure.FailureReport.report_all`) and
+    returns those it could not. Pure: no clock, no I/O of its own."""
 
-    report: Callable[[int, str, str], bool]
+    report: Callable[[list[tuple[int, str, str]]], list[tuple[int, str, str]]]
     log: Callable[[str], None] = lambda m: print(f"hp k8s watch: {m}", file=sys.stderr, flush=True)
     pending: list[tuple[int, str, str]] = field(default_factory=list)  # (node rank, reason, uid) not told yet
     told: list[tuple[int, str, str]] = field(default_factory=list)
@@ -73,10 +73,10 @@ class Reactions:
 
     def flush(self) -> None:
         """Make the pending reports; keep those that could not be made."""
-        left = []
-        for item in self.pending:
-            (self.told if self.report(*item) else left).append(item)
-        self.pending = left
+        if self.pending:
+            left = self.report(self.pending)
+            self.told += [item for item in self.pending if item not in left]
+            self.pending = list(left)
 
 
 class Streams:

@@ -44,7 +44,7 @@ def _watch(args: argparse.Namespace) -> int:
     scheduler = KubernetesScheduler(namespace=args.namespace, job=args.job, kubeconfig=args.kubeconfig,
                                     context=args.context)
     scheduler.api_client()  # a bad kubeconfig is one line now, not a watch that keeps failing
-    reactions = Reactions(FailureReport(endpoint, token).report)
+    reactions = Reactions(FailureReport(endpoint, token).report_all)
     reactions.log(f"watching job {args.job} in {args.namespace}; failures go to the controller at {endpoint}")
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
