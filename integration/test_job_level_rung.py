@@ -90,6 +90,61 @@ def test_a_lost_shard_comes_back_from_the_memory_tier(reference, job_env, tmp_pa
     assert "hp: restored step 4 from the memory tier (the optimizer shard of rank 1" in result.output
 
 
+@pytest.fixture(scope="module")
+def fsdp_reference(job_env, tmp_path_factory) -> RunResult:
+    result = run_job(config(spares=0, train_args=["--fsdp"]), str(tmp_path_factory.mktemp("fsdp-reference")), [], job_env)
+    assert result.returncode == 0, result.output[-3000:]
+    return result
+
+
+def test_a_lost_fsdp_shard_comes_back_from_the_memory_tier(fsdp_reference, job_env, tmp_path):
+    """Pure FSDP2: rank 1 and its buddy (rank 2, which holds the only other copy of rank 1's shard, as a
+    shadow) die together: every rank loads the newest checkpoint (step 4) of its own shard of the parameters
+    and of the optimizer state, the buddies' shadows are made again from it, and training goes on: losses
+    and every rank's final shard the bits of the fault-free FSDP run."""
+    faults = [{"at_step": 5, "phase": "forward", "kind": "kill", "rank": r} for r in (1, 2)]
+    args = ["--fsdp", "--checkpoint", "rung-fsdp", "--checkpoint-every", "2"]
+    result = run_job(config(spares=2, train_args=args), str(tmp_path / "logs"), faults, job_env)
+    assert result.returncode == 0, result.output[-3000:]
+    assert compare(fsdp_reference, result) == {"bitwise_equal": True, "lost_steps": 0, "steps_compared": STEPS}
+    assert {(e["rank"], e["step"], e["tier"]) for e in restored(result)} == {(r, 4, "memory") for r in range(4)}
+    assert "hp: restored step 4 from the memory tier (the FSDP shard of rank 1" in result.output
+    state = compare_state(fsdp_reference, result, nproc=4, sharded={"params", "optimizer"})
+    assert state["state_equal"] and {"params", "optimizer"} <= set(state["state_parts"]), state
+
+
+def test_an_hsdp_shard_lost_in_every_replica_group_comes_back_from_the_memory_tier(job_env, tmp_path):
+    """HSDP 2 x 2: ranks 1 and 3 hold shard 1 in the two replica groups; both die, so no peer holds it:
+    every rank loads its shard of step 4 and the job ends with the fault-free HSDP run's bits."""
+    reference = run_job(config(spares=0, train_args=["--hsdp", "2"]), str(tmp_path / "reference"), [], job_env)
+    assert reference.returncode == 0, reference.output[-3000:]
+    faults = [{"at_step": 5, "phase": "forward", "kind": "kill", "rank": r} for r in (1, 3)]
+    args = ["--hsdp", "2", "--checkpoint", "rung-hsdp", "--checkpoint-every", "2"]
+    result = run_job(config(spares=2, train_args=args), str(tmp_path / "logs"), faults, job_env)
+    assert result.returncode == 0, result.output[-3000:]
+    assert compare(reference, result) == {"bitwise_equal": True, "lost_steps": 0, "steps_compared": STEPS}
+    assert {(e["rank"], e["step"], e["tier"]) for e in restored(result)} == {(r, 4, "memory") for r in range(4)}
+    assert "(the HSDP shard of rank 1 at step 4 is lost" in result.output
+    state = compare_state(reference, result, nproc=4, sharded={"params", "optimizer"})
+    assert state["state_equal"] and {"params", "optimizer"} <= set(state["state_parts"]), state
+
+
+def test_an_fsdp_job_started_again_resumes_from_its_newest_checkpoint(fsdp_reference, job_env, tmp_path):
+    """The whole FSDP2 job dies at step 7; started again, each rank loads its shard of step 6 and the
+    job ends with the fault-free run's losses and final shards."""
+    args = ["--fsdp", "--checkpoint", "rung-fsdp-restart", "--checkpoint-every", "3"]
+    kill = [{"at_step": 7, "phase": "forward", "kind": "kill", "rank": 1}]
+    first = run_job(config(spares=0, train_args=args), str(tmp_path / "first"), kill, job_env)
+    assert first.returncode != 0 and sorted(first.losses()) == list(range(7)), first.output[-3000:]
+    again = run_job(config(spares=0, train_args=args), str(tmp_path / "again"), [], job_env)
+    assert again.returncode == 0, again.output[-3000:]
+    assert {(e["step"], e["tier"]) for e in restored(again)} == {(6, "memory")}
+    assert sorted(again.losses()) == list(range(7, STEPS))
+    assert all(again.losses()[s] == fsdp_reference.losses()[s] for s in range(7, STEPS))
+    state = compare_state(fsdp_reference, again, nproc=4, sharded={"params", "optimizer"})
+    assert state["state_equal"], state
+
+
 def test_a_job_started_again_resumes_from_the_newest_checkpoint(reference, job_env, tmp_path):
     """The whole job dies at step 7 (no spare, no restart left); started again with the same
     checkpoint namespace it resumes after step 6, the newest checkpoint, instead of from scratch."""

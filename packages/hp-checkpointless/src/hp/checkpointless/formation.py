@@ -294,7 +294,11 @@ class Formation:
         if newest < 0 and self.restore(st, "job start"):
             pass  # a job started again: the newest checkpoint, if there is one
         elif fs is not None:
-            hydration.fsdp_shards(st, agreement, self.rank, self._link.collective, self._events)
+            try:
+                hydration.fsdp_shards(st, agreement, self.rank, self._link.collective, self._events)
+            except sharded.ShardLost as e:  # a shard with every copy of it lost: down the ladder, if there is one
+                if not self.restore(st, str(e)):
+                    raise
         elif sh is None:
             hydration.replicated(st, agreement, self.rank, self._events)
         else:
@@ -314,6 +318,8 @@ class Formation:
         st.mark_committed(step)
         if st.sharded is not None:
             st.sharded.replicate(self.rank, self._link.collective)
+        if st.fsdp is not None:  # pure FSDP: each buddy's shadow of its ward's shard, from the restored one
+            st.fsdp.sync(self.rank, st.optimizer, self._link.collective)
         self._events.record(Event.RESTORED, rank=self.rank, step=step, tier=tier, why=why[:300],
                             generation=self._machine.generation)
         if self.rank == 0:

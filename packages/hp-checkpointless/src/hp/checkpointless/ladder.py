@@ -8,7 +8,8 @@ tiers (node memory → peer memory → S3/FSx), and replays from there; it says 
 What is saved is what a hydration sends (:mod:`hp.checkpointless.state`): per part one JSON skeleton
 and one flat buffer, as uint8 tensors under fixed keys, plus their sizes, so a fresh process can
 allocate before it loads and nothing is pickled by hp. The replicated part is one key every rank
-writes (DCP stores it once); RNG states and a sharded optimizer's shard are one key per rank.
+writes (DCP stores it once); RNG states, a sharded optimizer's shard and an FSDP2 rank's shard (parameters
+and optimizer state as local tensors, as a hydration sends them) are one key per rank.
 """
 
 from __future__ import annotations
@@ -50,8 +51,13 @@ class JobCheckpoint(Protocol):
 
 def _parts(st: TrainingState, rank: int) -> dict[str, dict]:
     """The replicated state (identical on every rank, so one key) and this rank's own: its RNG
-    states (a job may seed ranks differently) and its optimizer shard."""
-    if st.sharded is None:
+    states (a job may seed ranks differently) and its optimizer shard; with an FSDP2 model, its shard
+    of the parameters and of the optimizer state, and the mesh's shape that shard belongs to."""
+    if st.fsdp is not None:
+        replicated = st.replicated_part()
+        own = {"rng": replicated.pop("rng"), "fsdp": st.fsdp.shard(st.optimizer),
+               "mesh": list(st.fsdp.mesh.layout.sizes)}
+    elif st.sharded is None:
         replicated = st.capture()
         own = {"rng": replicated.pop("rng")}
     else:
@@ -128,7 +134,14 @@ def restore(st: TrainingState, rank: int) -> tuple[int, str] | None:
     if not all(isinstance(own.get(k), int) and own[k] >= 0 for k in ("samples", "state_world")):
         raise state.StateTransferError(f"the checkpoint of step {step} lacks the job's sample position or world size")
     replicated = {**parts["hp.state"], "rng": own["rng"]}
-    if st.sharded is None:
+    if st.fsdp is not None:
+        layout = list(st.fsdp.mesh.layout.sizes)
+        if own.get("mesh") != layout:  # rank r's shard is another slice of another mesh
+            raise sharded.ShardLost(f"the checkpoint of step {step} holds FSDP shards of a {own.get('mesh')} mesh, "
+                                    f"the job's is {layout}: restart it at that shape")
+        st.fsdp.load_shard(st.optimizer, own["fsdp"], step)
+        st.load_replicated_part(replicated)
+    elif st.sharded is None:
         st.restore(replicated)
     else:
         if own.get("world") != st.sharded.world_size:  # rank r's shard is another partition at another size

@@ -50,7 +50,7 @@ class TrainingState:
         self.broadcast_buffers = broadcast_buffers
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.sharded: sharded.ShardedOptimizer | None = None
-        self.fsdp = self._sharded_model(model, mesh, scaler, checkpoint)
+        self.fsdp = self._sharded_model(model, mesh, scaler)
         self.committed = -1  # last committed step
         # samples the job consumed through the committed step: where the next step's samples start
         # (StepSampler). Only committed steps count, so a failed step's replay reads the same samples.
@@ -66,7 +66,7 @@ class TrainingState:
         self.mark_committed(-1)
 
     @staticmethod
-    def _sharded_model(model: torch.nn.Module, mesh: Any, scaler: Any, checkpoint: Any) -> fsdp.ShardedModel | None:
+    def _sharded_model(model: torch.nn.Module, mesh: Any, scaler: Any) -> fsdp.ShardedModel | None:
         """An FSDP2 model (``fully_shard`` on the mesh of ``ctx.device_mesh()``): its recovery side."""
         from torch.distributed.fsdp import FSDPModule
 
@@ -77,8 +77,6 @@ class TrainingState:
                              "mesh = ctx.device_mesh(...); fully_shard(module, mesh=mesh)")
         if scaler is not None:
             raise UsageError("a GradScaler with an FSDP2 model is not supported yet (train in bf16)")
-        if checkpoint is not None:
-            raise UsageError("the job-level checkpoint rung does not take FSDP2 state yet")
         return fsdp.ShardedModel(model, mesh)
 
     def build_optimizer(self) -> None:

@@ -87,7 +87,7 @@ def main(ctx) -> None:
             fully_shard(layer, mesh=mesh)
         fully_shard(model, mesh=mesh)
         optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
-        ctx.register(model, optimizer, make_scheduler(optimizer))
+        ctx.register(model, optimizer, make_scheduler(optimizer), checkpoint=checkpoint)
     elif args.zero:  # built by hp once the process group exists (a spare has none yet)
         ctx.register(model, lambda params: ZeroRedundancyOptimizer(params, torch.optim.AdamW, lr=3e-3),
                      make_scheduler, checkpoint=checkpoint)
