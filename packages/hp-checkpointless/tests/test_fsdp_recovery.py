@@ -112,3 +112,23 @@ def test_fsdp_survives_a_second_failure_during_hydration(references, job_env, tm
     result = faulted(tmp_path, job_env, FSDP, [kill(1, "forward"), kill(3, "hydration", AT - 1)], spares=2)
     assert_identical(references["fsdp"], result, FSDP)
     assert {r for r, *_ in rebuilt(result)} == {1, 3}
+
+
+MICRO = ["--micro-batches", "8", "--batch-size", "2"]  # 8 micro-batches of 2 samples a step: 2 per rank
+
+
+@pytest.mark.parametrize("layout, rank, phase", [(FSDP, 1, "backward"), (HSDP, 2, "allreduce")])
+def test_a_sharded_models_micro_batches_are_recovered_bit_identically(job_env, tmp_path, layout, rank, phase):
+    """step.micro_batches() with FSDP2: FSDP reduces each micro-batch's backward and accumulates, hp makes
+    the sum the mean over the step's micro-batches; a rank killed midway is recovered like any other."""
+    args = layout + MICRO
+    reference = run_job(config(args, spares=0), str(tmp_path / "reference"), [], job_env)
+    assert reference.returncode == 0, reference.output[-3000:]
+    assert_identical(reference, faulted(tmp_path, job_env, args, [kill(rank, phase)]), args)
+
+
+def test_micro_batches_that_do_not_divide_among_an_fsdp_models_ranks_are_refused(job_env, tmp_path):
+    result = run_job(config(FSDP + ["--micro-batches", "6"], spares=0), str(tmp_path / "logs"), [], job_env)
+    assert result.returncode != 0
+    assert "with an FSDP2 model every rank runs as many micro-batches as the others: 6 micro-batches per step " \
+           "do not divide among 4 ranks" in result.output, result.output[-3000:]

@@ -167,6 +167,13 @@ class ShardedModel:
         for p in self.params:
             p.grad = None
 
+    def scale_grads(self, factor: float) -> None:
+        """Multiply this rank's reduced gradients of its shard by ``factor`` (in place, local tensors)."""
+        with torch.no_grad():
+            for p in self.params:
+                if p.grad is not None:
+                    p.grad.to_local().mul_(factor)
+
     def send_gradients(self, rank: int, optimizer: torch.optim.Optimizer, step: int,
                        move: Callable[[Callable[[], None]], None]) -> None:
         """Pure FSDP, before the vote: this rank's reduced gradients of ``step`` and the step's

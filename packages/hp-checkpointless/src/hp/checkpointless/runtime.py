@@ -285,10 +285,12 @@ class Context:
     def _micro_batches(self, step: Step, loader: StepLoader) -> Iterator[Any]:
         if self._step is not step or self._machine.state is not RankState.COMPUTING:
             raise UsageError("step.micro_batches(loader) is called inside `with step:`, before ctx.commit")
-        if self._training.fsdp is not None:
-            raise UsageError("step.micro_batches() with an FSDP2 model is not supported yet")
         sampler, world = loader.sampler, self.world_size
-        self._tx.split(sampler.micro_batches_at(world))
+        total = sampler.micro_batches_at(world)
+        if self._training.fsdp is not None and total % world:  # FSDP reduces in each backward, on every rank
+            raise UsageError(f"with an FSDP2 model every rank runs as many micro-batches as the others: "
+                             f"{total} micro-batches per step do not divide among {world} ranks")
+        self._tx.split(total)
         self._step_samples = sampler.samples_at(world)
         self._owned = sampler.owned(int(step), self.rank, world)
         for m, batch in zip(self._owned, loader.step(int(step), self.rank, world, self._training.samples)):

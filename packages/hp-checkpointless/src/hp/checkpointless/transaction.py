@@ -9,8 +9,10 @@ every rank in the same phase. With a registered ``torch.amp.GradScaler`` the ave
 unscaled, and whether they hold an inf/NaN travels in the vote, so every rank skips the same steps.
 
 With a model sharded by FSDP2 (:mod:`hp.checkpointless.fsdp`) FSDP reduces the gradients itself,
-inside backward; ``reduce`` then only marks them reduced, sends this rank's gradients of its shard to
-its buddy (pure FSDP: :mod:`hp.checkpointless.shadow`) and broadcasts the buffers: the vote still decides.
+inside backward; ``reduce`` then only marks them reduced (over micro-batches, FSDP reduced each one's
+backward and accumulated: scaled to the mean over the step's micro-batches), sends this rank's gradients of
+its shard to its buddy (pure FSDP: :mod:`hp.checkpointless.shadow`) and broadcasts the buffers: the vote
+still decides.
 
 A step may be split in ``M`` micro-batches (:meth:`StepTransaction.split`): the mean is then over the M
 micro-batches, whichever ranks computed them, and the vote carries one loss per micro-batch, summed in
@@ -76,7 +78,10 @@ class StepTransaction:
         self.micro_batches = micro_batches
 
     def micro_batch_done(self, m: int) -> None:
-        """Micro-batch ``m``'s backward is done on this rank (the reduction may set its gradients aside)."""
+        """Micro-batch ``m``'s backward is done on this rank (the reduction may set its gradients aside;
+        FSDP has reduced them, into the sharded gradients it accumulates)."""
+        if self._st.fsdp is not None:
+            return
         self._gather(fold=True)
         self.reduction.micro_batch_done(self.grads, m)
 
@@ -94,6 +99,8 @@ class StepTransaction:
     def reduce(self, step: int, world_size: int) -> None:
         """Average gradients (and with a scaler unscale them), broadcast rank 0's buffers."""
         if self._st.fsdp is not None:
+            if self.micro_batches is not None:  # each backward averaged over the ranks: the sum of k = M / W
+                self._st.fsdp.scale_grads(world_size / self.micro_batches)  # such means, made the mean of M
             self.grads_step = step  # FSDP reduced them during backward
             self._st.fsdp.send_gradients(dist.get_rank(), self._st.optimizer, step, self._collective)
             if self._st.broadcast_buffers and world_size > 1:

@@ -12,9 +12,9 @@ import torch
 import torch.nn.functional as F
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
-from hp.checkpointless import recoverable
+from hp.checkpointless import StepLoader, StepSampler, recoverable
 from hp.checkpointless.overlap import OverlappedMeanReduction
-from hp.checkpointless.data import Batches, TokenCache, synthetic_corpus, tokenize
+from hp.checkpointless.data import Batches, TokenCache, Windows, synthetic_corpus, tokenize
 from hp.checkpointless.demo.model import MODEL_SIZES, build_model
 
 
@@ -38,6 +38,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="shard the model with FSDP2 (fully_shard) over every rank, on ctx.device_mesh()")
     p.add_argument("--hsdp", type=int, default=0, metavar="R",
                    help="HSDP: R replica groups, the model sharded with FSDP2 within each")
+    p.add_argument("--micro-batches", type=int, default=0, metavar="M",
+                   help="split each step in M micro-batches of --batch-size samples over every rank "
+                        "(step.micro_batches, a constant global batch) instead of one batch per rank")
     p.add_argument("--ulp-after-recovery", type=int, default=None, metavar="RANK",
                    help="harness self-test: after the last step, the process holding RANK, if it joined by a "
                         "recovery, moves one weight by one ulp (hp demo must then report the state unequal)")
@@ -70,6 +73,11 @@ def main(ctx) -> None:
     cache = TokenCache.open(corpus_key, lambda: tokenize(synthetic_corpus(args.corpus_mb << 20, args.seed), args.vocab))
     ctx.events.record("data_attached", built=cache.built, open_s=cache.open_s)
     batches = Batches(cache, args.seq, args.batch_size, args.seed)
+    loader = None
+    if args.micro_batches:
+        windows = Windows(cache, args.seq)
+        loader = StepLoader(windows, StepSampler(len(windows), micro_batch=args.batch_size,
+                                                 micro_batches=args.micro_batches, seed=args.seed))
 
     # FSDP2/HSDP: the mesh first (a hot spare waits there for its rank: its shards depend on it)
     mesh = ctx.device_mesh(replicate=max(args.hsdp, 1)) if args.fsdp or args.hsdp else None
@@ -99,9 +107,16 @@ def main(ctx) -> None:
     replacement = os.environ.get("HP_ROLE") == "spare" or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0"
     for step in ctx.steps(args.steps):
         with step:
-            x, y = (t.to(device) for t in batches.get(step, ctx.rank, ctx.world_size))
-            loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
-            loss.backward()
+            if loader is None:
+                x, y = (t.to(device) for t in batches.get(step, ctx.rank, ctx.world_size))
+                loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+                loss.backward()
+            else:
+                loss = []
+                for x, y in step.micro_batches(loader):
+                    micro = F.cross_entropy(model(x.to(device)).flatten(0, 1), y.to(device).flatten())
+                    micro.backward()
+                    loss.append(micro)
             ctx.commit(loss)
             if step == args.steps - 1 and ctx.rank == args.ulp_after_recovery and replacement:
                 with torch.no_grad():  # after the last commit: only the final state shows it
