@@ -145,6 +145,19 @@ def test_an_fsdp_job_started_again_resumes_from_its_newest_checkpoint(fsdp_refer
     assert state["state_equal"], state
 
 
+def test_a_sharded_checkpoint_of_another_mesh_shape_is_refused_naming_both(job_env, tmp_path):
+    """An FSDP job over 4 leaves a checkpoint of its [4] mesh; started again as HSDP 2 x 2 with the same
+    namespace, each rank's shard would be another slice: the job stops naming both shapes instead."""
+    namespace = ["--checkpoint", "rung-fsdp-shape", "--checkpoint-every", "3"]
+    first = run_job(config(spares=0, train_args=["--fsdp", *namespace]), str(tmp_path / "first"),
+                    [{"at_step": 7, "phase": "forward", "kind": "kill", "rank": 1}], job_env)
+    assert first.returncode != 0 and sorted(first.losses()) == list(range(7)), first.output[-3000:]
+    again = run_job(config(spares=0, train_args=["--hsdp", "2", *namespace]), str(tmp_path / "again"), [], job_env)
+    assert again.returncode != 0 and not again.losses()
+    assert "the checkpoint of step 6 holds FSDP shards of a [4] mesh, the job's is [2, 2]: restart it at that shape" \
+        in again.output, again.output[-3000:]
+
+
 def test_a_job_started_again_resumes_from_the_newest_checkpoint(reference, job_env, tmp_path):
     """The whole job dies at step 7 (no spare, no restart left); started again with the same
     checkpoint namespace it resumes after step 6, the newest checkpoint, instead of from scratch."""
