@@ -86,6 +86,25 @@ def _event(t: float, event: str, rank: int, attempt: int, **fields) -> dict:
     return {"t": t, "event": event, "rank": rank, "attempt": attempt, **fields}
 
 
+def test_bench_recovery_of_an_fsdp_model_against_its_own_reference(tmp_path):
+    """--variants hp_fsdp: the demo job sharded with FSDP2, a spare given the dead rank's shard from its buddy's
+    shadow; three faults, each compared bit for bit (every rank's own shard) with an FSDP2 reference."""
+    (tmp_path / "cache").mkdir()
+    tag = f"HP_TEST_DIR={tmp_path}"
+    env = {**os.environ, "HP_DATA_CACHE_DIR": str(tmp_path / "cache"), "HP_TEST_DIR": str(tmp_path)}
+    try:
+        out = subprocess.run(
+            [*HP, "bench", "recovery", "--model-size", "tiny", "--steps", "12", "--fault-step", "6", "--corpus-mb", "2",
+             "--timeout", "120", "--log-dir", str(tmp_path / "logs"), "--variants", "hp_fsdp"],
+            env=env, capture_output=True, text=True, timeout=600, check=False)
+    finally:
+        kill_tagged(tag)
+    assert out.returncode == 0, out.stderr[-6000:]
+    table = out.stdout
+    assert "hp, FSDP2 (1 hot spare)" in table and "yes (losses + state vs reference)" in table, table
+    assert (tmp_path / "logs" / "hp_fsdp-reference").is_dir() and not (tmp_path / "logs" / "hp-reference").exists()
+
+
 def test_downtime_is_kill_to_interrupted_step_committed_again_less_one_step():
     events = [_event(float(s), "commit", 0, 0, step=s, loss=f"{s}") for s in range(4)]  # steps 0..3
     events += [_event(3.1, "fault_injected", 1, 0, step=3)]

@@ -46,8 +46,12 @@ SUITE: dict[str, tuple[list[str], list[str]]] = {
     "control": ([], ["--sizes", "16,32", "--processes", "2", "--repeats", "1", "--changes", "2", "--idle", "1"]),
     # hp bench elastic --scheduler slurm: a job following a local Slurm (preemption, capacity back) vs torchrun + DCP
     "elastic_slurm": (["--scheduler", "slurm"], ["--scheduler", "slurm", "--cycles", "1", "--steps", "400"]),
+    # hp bench recovery of an FSDP2 model (a shard from its buddy's shadow) beside the replicated one and torchrun + DCP
+    "recovery_fsdp": (["--variants", "hp,hp_fsdp,torchrun_dcp"],
+                      ["--variants", "hp,hp_fsdp", "--model-size", "tiny", "--steps", "12", "--fault-step", "6",
+                       "--corpus-mb", "2"]),
 }
-COMMANDS = {"elastic_slurm": "elastic"}  # a suite entry that is another entry's command with other arguments
+COMMANDS = {"elastic_slurm": "elastic", "recovery_fsdp": "recovery"}  # a suite entry that is another entry's command with other arguments
 
 
 def _git(*args: str) -> str | None:

@@ -8,6 +8,8 @@ the same job, on the same box, in the same run. Variants:
   reference and the faulted jobs): survivors stay in process, the spare takes the dead rank and
   hydrates from a peer, the interrupted step is replayed. Every rank's losses and final state are
   compared bit for bit with the reference.
+- ``hp_fsdp`` (only when named in ``--variants``): the same with the model sharded by FSDP2 over the
+  ranks (``--fsdp``): the spare gets the dead rank's shard from its buddy's shadow, its own reference.
 - ``torchrun_dcp``: ``torchrun --max-restarts 1`` over plain DDP + DCP checkpoints
   (:mod:`hp.chaos.baselines.torchrun_dcp`): every rank restarts, re-imports torch, reloads the newest
   checkpoint and recomputes the steps since it.
@@ -57,6 +59,7 @@ from hp.checkpointless.demo.run import (
     compare_state,
     job_command,
     recovery_timeline,
+    sharded_parts,
 )
 from hp.checkpointless.events import read_events
 from hp.core.benchmeta import PIN_ENV, BenchRun, spread
@@ -66,6 +69,7 @@ DEFINITION_VERSION = 2
 MIN_STEPS_AFTER = 5  # steps from the fault on (F+1 included): bit-equality covers them all
 MIN_REPEATS = 3
 VARIANTS = ("hp", "torchrun_dcp", "torchft", "nvrx_default", "nvrx_tuned")
+HP_VARIANTS = {"hp": [], "hp_fsdp": ["--fsdp"]}  # hp's own: extra demo flags (hp_fsdp: only when asked for)
 
 
 @dataclass
@@ -163,26 +167,27 @@ def _phases(marks: dict[str, float | None]) -> dict[str, float]:
 
 
 # ---------------------------------------------------------------- hp: in-process, one hot spare
-def _demo(cfg: BenchConfig) -> DemoConfig:
+def _demo(cfg: BenchConfig, variant: str = "hp") -> DemoConfig:
     return DemoConfig(fault="kill", phase="forward", steps=cfg.steps, fault_step=cfg.fault_step + 1,
                       fault_rank=cfg.fault_rank, nproc=cfg.nproc, spares=1, model_size=cfg.model_size,
                       hang_timeout_s=cfg.hang_timeout_s, corpus_mb=cfg.corpus_mb, seed=cfg.seed,
-                      train_args=cfg.train_args())
+                      train_args=cfg.train_args() + HP_VARIANTS[variant])
 
 
-def _hp_job(cfg: BenchConfig, log_dir: str, faults: list[dict]) -> RunResult:
+def _hp_job(cfg: BenchConfig, log_dir: str, faults: list[dict], variant: str = "hp") -> RunResult:
     """The demo's job under this bench's runner (a timeout that kills the whole process group)."""
     env = {**os.environ, "HP_FAULTS": json.dumps(faults)}
-    rc, wall, out = _run(job_command(_demo(cfg), log_dir), env, cfg.timeout_s, os.path.join(log_dir, "output.log"))
+    rc, wall, out = _run(job_command(_demo(cfg, variant), log_dir), env, cfg.timeout_s,
+                         os.path.join(log_dir, "output.log"))
     return RunResult(rc, wall, read_events(os.path.join(log_dir, "events")), out)
 
 
-def hp_reference(cfg: BenchConfig, root: str) -> RunResult:
-    _log("hp: fault-free reference")
-    return _hp_job(cfg, os.path.join(root, "hp-reference"), [])
+def hp_reference(cfg: BenchConfig, root: str, variant: str = "hp") -> RunResult:
+    _log(f"{variant}: fault-free reference")
+    return _hp_job(cfg, os.path.join(root, f"{variant}-reference"), [], variant)
 
 
-def analyse_hp(reference: RunResult, faulted: RunResult, cfg: BenchConfig) -> dict[str, Any]:
+def analyse_hp(reference: RunResult, faulted: RunResult, cfg: BenchConfig, variant: str = "hp") -> dict[str, Any]:
     """One faulted hp run against the reference: the figures of the module docstring, and every rank's
     losses (each step from whichever ranks committed it) and final state bit for bit."""
     t0 = next((e["t"] for e in faulted.events if e["event"] == Event.FAULT_INJECTED), None)
@@ -192,7 +197,7 @@ def analyse_hp(reference: RunResult, faulted: RunResult, cfg: BenchConfig) -> di
                           and e["t"] < t0])
     to_next = every_rank_back(faulted.events, t0, cfg.fault_step + 1, range(cfg.nproc))
     phases = recovery_timeline(faulted.events)[0]["phases"]
-    state = compare_state(reference, faulted, cfg.nproc)
+    state = compare_state(reference, faulted, cfg.nproc, sharded_parts(HP_VARIANTS[variant]))
     losses = compare(reference, faulted)
     return {"step_time_s": before, "to_next_step_s": to_next, "downtime_s": lost_time(to_next, before),
             "recovery_s": sum(v for k, v in phases.items() if k != "replay") if "hydrate" in phases else None,
@@ -201,14 +206,14 @@ def analyse_hp(reference: RunResult, faulted: RunResult, cfg: BenchConfig) -> di
             "state_differences": state["state_differences"]}
 
 
-def run_hp(cfg: BenchConfig, root: str, reference: RunResult, i: int) -> dict[str, Any]:
+def run_hp(cfg: BenchConfig, root: str, reference: RunResult, i: int, variant: str = "hp") -> dict[str, Any]:
     fault = {"at_step": cfg.fault_step + 1, "phase": "forward", "kind": "kill", "rank": cfg.fault_rank}
-    _log(f"hp: faulted job {i + 1}/{cfg.repeats} (1 hot spare)")
-    faulted = _hp_job(cfg, os.path.join(root, f"hp-faulted-{i}"), [fault])
+    _log(f"{variant}: faulted job {i + 1}/{cfg.repeats} (1 hot spare)")
+    faulted = _hp_job(cfg, os.path.join(root, f"{variant}-faulted-{i}"), [fault], variant)
     out: dict[str, Any] = {"completed": reference.returncode == 0 and faulted.returncode == 0,
                            "wall_s": faulted.wall_s}
     if out["completed"]:
-        out.update(analyse_hp(reference, faulted, cfg))
+        out.update(analyse_hp(reference, faulted, cfg, variant))
     if not out["completed"] or "error" in out or out.get("to_next_step_s") is None:
         out.update(completed=False, error_tail=(faulted.output if faulted.returncode else reference.output)[-2000:])
     return out
@@ -343,13 +348,13 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any]:
     if any(v.startswith("nvrx") for v in cfg.variants) and (why := _nvrx_skipped()) is not None:
         skipped.update({v: why for v in cfg.variants if v.startswith("nvrx")})
     active = [v for v in cfg.variants if v not in skipped]
-    reference = hp_reference(cfg, root) if "hp" in active else None
+    references = {v: hp_reference(cfg, root, v) for v in HP_VARIANTS if v in active}
     ft_reference = torchft_bench.reference(cfg, root, _log) if "torchft" in active else None
     runs: dict[str, list[dict]] = {v: [] for v in active}
     for i in range(cfg.repeats):  # interleaved: drift in the machine's load hits every variant alike
         for v in active:
-            if v == "hp":
-                runs[v].append(run_hp(cfg, root, reference, i))
+            if v in HP_VARIANTS:
+                runs[v].append(run_hp(cfg, root, references[v], i, v))
             elif v == "torchrun_dcp":
                 runs[v].append(run_torchrun(cfg, root, i))
             elif v == "torchft":
@@ -379,7 +384,8 @@ def run_bench(cfg: BenchConfig) -> dict[str, Any]:
                   "steps_after": cfg.steps - cfg.fault_step - 1},
         "pinned": cfg.pin, "one_rank_per_core": cfg.pin and cfg.nproc <= cores,
         "variants": variants,
-        "ratios": {f"{v}_over_hp": _ratio(variants[v], hp) for v in variants if v != "hp" and "skipped" not in variants[v]},
+        "ratios": {f"{v}_over_hp": _ratio(variants[v], hp) for v in variants
+                   if v not in HP_VARIANTS and "skipped" not in variants[v]},
         # a skipped optional variant is not a failure (an extra not installed); a variant that broke is
         "completed": all(v.get("completed", "skipped" in v) for v in variants.values()),
         "config": asdict(cfg), "log_dir": root,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-TITLES = {"hp": "hp (1 hot spare)", "torchrun_dcp": "torchrun + DCP", "torchft": "torchft (heal from peer)",
+TITLES = {"hp": "hp (1 hot spare)", "hp_fsdp": "hp, FSDP2 (1 hot spare)", "torchrun_dcp": "torchrun + DCP", "torchft": "torchft (heal from peer)",
           "nvrx_default": "NVRx (default intervals)", "nvrx_tuned": "NVRx (tuned intervals)"}
 
 

@@ -52,8 +52,9 @@ def _recovery(args: argparse.Namespace) -> int:
     if args.repeats < bench.MIN_REPEATS:
         raise UsageError(f"--repeats must be >= {bench.MIN_REPEATS}: a figure is a median with its spread")
     variants = tuple(v for v in args.variants.split(",") if v)
-    if not variants or set(variants) - set(bench.VARIANTS):
-        raise UsageError(f"--variants: a comma-separated subset of {','.join(bench.VARIANTS)}, got {args.variants!r}")
+    known = (*bench.VARIANTS, *(v for v in bench.HP_VARIANTS if v not in bench.VARIANTS))
+    if not variants or set(variants) - set(known):
+        raise UsageError(f"--variants: a comma-separated subset of {','.join(known)}, got {args.variants!r}")
     cfg = bench.BenchConfig(model_size=args.model_size, vocab=args.vocab, seq=args.seq, nproc=args.nproc,
                             steps=args.steps, fault_step=args.fault_step, ckpt_every=args.ckpt_every,
                             corpus_mb=args.corpus_mb, log_dir=args.log_dir, timeout_s=args.timeout,
