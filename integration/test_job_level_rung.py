@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from hp.checkpointless.demo.run import DemoConfig, RunResult, compare, compare_state, run_job
+from hp.checkpointless.demo.run import DemoConfig, RunResult, compare, compare_state, run_job, sharded_parts
 from hp.core.auth import new_token
 from hp.core.testing import free_port, kill_tagged, wait_for
 from hp.tiered_ckpt.client import DaemonClient
@@ -78,54 +78,49 @@ def restored(result: RunResult) -> list[dict]:
     return [e for e in result.events if e["event"] == "restored"]
 
 
-def test_a_lost_shard_comes_back_from_the_memory_tier(reference, job_env, tmp_path):
-    """Rank 1 and its buddy die together: no peer holds rank 1's optimizer shard, so every rank loads
-    the newest checkpoint (step 4, saved every 2 steps) from the node daemon and training goes on."""
-    faults = [{"at_step": 5, "phase": "forward", "kind": "kill", "rank": r} for r in (1, 2)]
-    args = ["--zero", "--checkpoint", "rung-zero", "--checkpoint-every", "2"]
-    result = run_job(config(spares=2, train_args=args), str(tmp_path / "logs"), faults, job_env)
-    assert result.returncode == 0, result.output[-3000:]
-    assert compare(reference, result) == {"bitwise_equal": True, "lost_steps": 0, "steps_compared": STEPS}
-    assert {(e["rank"], e["step"], e["tier"]) for e in restored(result)} == {(r, 4, "memory") for r in range(4)}
-    assert "hp: restored step 4 from the memory tier (the optimizer shard of rank 1" in result.output
-
-
-@pytest.fixture(scope="module")
-def fsdp_reference(job_env, tmp_path_factory) -> RunResult:
-    result = run_job(config(spares=0, train_args=["--fsdp"]), str(tmp_path_factory.mktemp("fsdp-reference")), [], job_env)
+def _reference(job_env, tmp_path_factory, args: list[str], name: str) -> RunResult:
+    result = run_job(config(spares=0, train_args=args), str(tmp_path_factory.mktemp(name)), [], job_env)
     assert result.returncode == 0, result.output[-3000:]
     return result
 
 
-def test_a_lost_fsdp_shard_comes_back_from_the_memory_tier(fsdp_reference, job_env, tmp_path):
-    """Pure FSDP2: rank 1 and its buddy (rank 2, which holds the only other copy of rank 1's shard, as a
-    shadow) die together: every rank loads the newest checkpoint (step 4) of its own shard of the parameters
-    and of the optimizer state, the buddies' shadows are made again from it, and training goes on: losses
-    and every rank's final shard the bits of the fault-free FSDP run."""
-    faults = [{"at_step": 5, "phase": "forward", "kind": "kill", "rank": r} for r in (1, 2)]
-    args = ["--fsdp", "--checkpoint", "rung-fsdp", "--checkpoint-every", "2"]
-    result = run_job(config(spares=2, train_args=args), str(tmp_path / "logs"), faults, job_env)
-    assert result.returncode == 0, result.output[-3000:]
-    assert compare(fsdp_reference, result) == {"bitwise_equal": True, "lost_steps": 0, "steps_compared": STEPS}
-    assert {(e["rank"], e["step"], e["tier"]) for e in restored(result)} == {(r, 4, "memory") for r in range(4)}
-    assert "hp: restored step 4 from the memory tier (the FSDP shard of rank 1" in result.output
-    state = compare_state(fsdp_reference, result, nproc=4, sharded={"params", "optimizer"})
-    assert state["state_equal"] and {"params", "optimizer"} <= set(state["state_parts"]), state
+@pytest.fixture(scope="module")
+def zero_reference(job_env, tmp_path_factory) -> RunResult:
+    return _reference(job_env, tmp_path_factory, ["--zero"], "zero-reference")
 
 
-def test_an_hsdp_shard_lost_in_every_replica_group_comes_back_from_the_memory_tier(job_env, tmp_path):
-    """HSDP 2 x 2: ranks 1 and 3 hold shard 1 in the two replica groups; both die, so no peer holds it:
-    every rank loads its shard of step 4 and the job ends with the fault-free HSDP run's bits."""
-    reference = run_job(config(spares=0, train_args=["--hsdp", "2"]), str(tmp_path / "reference"), [], job_env)
-    assert reference.returncode == 0, reference.output[-3000:]
-    faults = [{"at_step": 5, "phase": "forward", "kind": "kill", "rank": r} for r in (1, 3)]
-    args = ["--hsdp", "2", "--checkpoint", "rung-hsdp", "--checkpoint-every", "2"]
+@pytest.fixture(scope="module")
+def fsdp_reference(job_env, tmp_path_factory) -> RunResult:
+    return _reference(job_env, tmp_path_factory, ["--fsdp"], "fsdp-reference")
+
+
+@pytest.fixture(scope="module")
+def hsdp_reference(job_env, tmp_path_factory) -> RunResult:
+    return _reference(job_env, tmp_path_factory, ["--hsdp", "2"], "hsdp-reference")
+
+
+@pytest.mark.parametrize("layout, killed, reference_of, lost", [
+    # ZeRO-1: rank 1 and its buddy: no peer holds rank 1's optimizer shard
+    (["--zero"], (1, 2), "zero_reference", "the optimizer shard of rank 1"),
+    # pure FSDP2: rank 1 and its buddy, which holds the only other copy of rank 1's shard (a shadow)
+    (["--fsdp"], (1, 2), "fsdp_reference", "the FSDP shard of rank 1"),
+    # HSDP 2 x 2: ranks 1 and 3 hold shard 1 in the two replica groups
+    (["--hsdp", "2"], (1, 3), "hsdp_reference", "the HSDP shard of rank 1"),
+])
+def test_a_lost_shard_comes_back_from_the_memory_tier(request, job_env, tmp_path, layout, killed, reference_of, lost):
+    """Both holders of a shard die together, so no peer can rebuild it: every rank loads its part of the
+    newest checkpoint (step 4, saved every 2 steps) from the node daemon (an FSDP2 rank its shard of the
+    parameters and of the optimizer state; the buddies' shadows are made again from it) and training goes
+    on: losses and every rank's final state the bits of the fault-free run of the same layout."""
+    reference = request.getfixturevalue(reference_of)
+    faults = [{"at_step": 5, "phase": "forward", "kind": "kill", "rank": r} for r in killed]
+    args = [*layout, "--checkpoint", f"rung-{layout[0].lstrip('-')}", "--checkpoint-every", "2"]
     result = run_job(config(spares=2, train_args=args), str(tmp_path / "logs"), faults, job_env)
     assert result.returncode == 0, result.output[-3000:]
     assert compare(reference, result) == {"bitwise_equal": True, "lost_steps": 0, "steps_compared": STEPS}
     assert {(e["rank"], e["step"], e["tier"]) for e in restored(result)} == {(r, 4, "memory") for r in range(4)}
-    assert "(the HSDP shard of rank 1 at step 4 is lost" in result.output
-    state = compare_state(reference, result, nproc=4, sharded={"params", "optimizer"})
+    assert f"hp: restored step 4 from the memory tier ({lost}" in result.output
+    state = compare_state(reference, result, nproc=4, sharded=sharded_parts(layout))
     assert state["state_equal"] and {"params", "optimizer"} <= set(state["state_parts"]), state
 
 
