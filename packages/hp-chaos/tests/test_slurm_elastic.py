@@ -46,7 +46,8 @@ def test_the_job_grows_to_its_qos_quota_then_into_the_raised_quota(tmp_path):
     brief = {k: r.get(k) for k in ("error", "world_sizes", "marks", "units", "base_state", "grow_s",
                                    "base_capacity_log", "state_differences", "error_tail")}
     assert r["completed"], json.dumps(brief, indent=1)
-    assert r["world_sizes"] == [2, 3, 4], brief
+    # 3 first when the unit within the quota was up before the job's first step (seen under load)
+    assert r["world_sizes"] in ([2, 3, 4], [3, 4]), brief
     assert r["lost_steps"] == 0 and r["bitwise_equal"], brief
     at_quota, raised = [m for m in r["marks"] if m["kind"] == "capacity_read"]
     assert (at_quota["hosts"], at_quota["quota_hosts"]) == (3, 3), brief
