@@ -36,6 +36,7 @@ from hp.core.control_plane import ControlClient, ControlServer
 from hp.core.devices import DeviceSlots
 from hp.core.controller import Controller, ControllerConfig
 from hp.core.errors import ControlPlaneError, HpError
+from hp.core.exits import CleanExits, Verdict
 from hp.core.fanout import RELAY_WAIT_S, Relay
 from hp.core.plugins import get_backend, load_scaler
 from hp.core.protocol import AGENT_PID_ENV, EXIT_PREEMPTED, NODE_INCARNATION_ENV, SCALING_POLICY_ENV, FailureAction, JobState, Verb, spare_holder, spare_id, worker_holder
@@ -132,7 +133,7 @@ class Agent:
         self._next_spare = config.spares  # index of the next replacement spare's id
         self._client: ControlClient | None = None
         self._capacity: int | None = None  # the last capacity the scheduler gave (elastic)
-        self._members: set[str] | None = None  # holders of this node's ranks at the last heartbeat
+        self._exits = CleanExits(elastic=self.scaler is not None)  # finished or scaled out (hp.core.exits)
 
     # ---- lifecycle ----------------------------------------------------------------------
     def run(self) -> int:
@@ -405,14 +406,19 @@ class Agent:
                 if w.running and not w.hung and self.cfg.hang_timeout_s and w.silent_for() > self.cfg.hang_timeout_s:
                     say(f"rank {w.rank} (pid {w.pid}) hung: no heartbeat for {w.silent_for():.1f} s; killing it")
                     w.kill_hung()
-                if w.running and (status := w.poll()) is not None and not status.ok:
-                    self._on_failure(client, w)
+                if w.running and (status := w.poll()) is not None:
+                    if not status.ok:
+                        self._on_failure(client, w)
+                    elif self._exits.exited(w.holder, time.monotonic()):
+                        next_beat = 0.0  # finished or scaled out: the membership read after the exit tells
             for w in list(self.spares):
                 if not w.running or (status := w.poll()) is None:
                     continue
                 self.spares.remove(w)
-                if status.ok:  # only a spare given a rank ends by itself (this agent has not heard yet): done
+                if status.ok:  # only a spare given a rank ends by itself (this agent has not heard yet)
                     self.workers.append(w)
+                    if self._exits.exited(w.holder, time.monotonic()):
+                        next_beat = 0.0
                     continue
                 w.finish()
                 self.devices.release(w.local_rank)
@@ -422,12 +428,13 @@ class Agent:
                     w.rank = answer.get("rank", w.rank)
                     self._act(w, answer)
             if time.monotonic() >= next_beat:
-                next_beat = time.monotonic() + self.cfg.heartbeat_interval_s
+                asked = time.monotonic()
+                next_beat = asked + self.cfg.heartbeat_interval_s
                 beat = self._call(client, Verb.HEARTBEAT, {})
                 for line in self.services.check():
                     say(line)
                 self.generation = max(self.generation, beat["generation"])
-                self._renumber(beat.get("ranks", {}))
+                self._renumber(beat.get("ranks", {}), asked)
                 for promotion in beat.get("promotions", []):
                     self._promote(promotion)
                 self._cut_lost(beat.get("lost", []))
@@ -439,7 +446,8 @@ class Agent:
                 if beat["state"] == JobState.SUCCEEDED:
                     return 0
             self._scaled_out()
-            if not self._done_reported and self.workers and all(w.exit and w.exit.ok for w in self.workers):
+            if not self._done_reported and self.workers and all(
+                    w.exit and w.exit.ok and self._exits.verdict(w.holder) is Verdict.FINISHED for w in self.workers):
                 for spare in self.spares:
                     spare.stop(signal.SIGTERM)  # nothing left on this node for a spare to replace
                 self.spares.clear()
@@ -543,18 +551,20 @@ class Agent:
         except ControlPlaneError as e:
             say(f"capacity {replicas}: {e}")
 
-    def _renumber(self, ranks: dict[str, int]) -> None:
-        """The controller's ranks of this node's processes, by holder id (scale events renumber them)."""
-        self._members = set(ranks)
+    def _renumber(self, ranks: dict[str, int], asked: float) -> None:
+        """The controller's ranks of this node's processes, by holder id (scale events renumber them), in
+        answer to a heartbeat sent at ``asked``."""
+        self._exits.heard(set(ranks), asked)
         for w in self.workers:
             w.rank = ranks.get(w.holder, w.rank)
 
     def _scaled_out(self) -> None:
         """Elastic: a worker that exited 0 holding no rank any more was scaled out (``hp scale``, capacity):
         its slot gets a new process that waits as a joiner, so the job can grow back into it."""
-        if self.scaler is None or self._members is None:
+        if self.scaler is None:
             return
-        for w in [w for w in self.workers if w.exit and w.exit.ok and w.holder not in self._members]:
+        for w in [w for w in self.workers
+                  if w.exit and w.exit.ok and self._exits.verdict(w.holder) is Verdict.SCALED_OUT]:
             self.workers.remove(w)
             self.devices.release(w.local_rank)
             say(f"{w.holder} left the job (scaled out); a new process keeps its slot for when the job grows")
