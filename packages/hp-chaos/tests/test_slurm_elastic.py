@@ -10,7 +10,13 @@ from __future__ import annotations
 import itertools
 import json
 
+import pytest
+
 from hp.chaos.slurm_elastic import SlurmElasticConfig, run_slurm_elastic, timings
+
+# a Slurm job has its own deadline (SlurmElasticConfig.timeout_s, 480 s) and says what it was waiting for;
+# pytest's default 300 s cut a slow run (two of these side by side: one took 307 s) before it could say
+pytestmark = pytest.mark.timeout(600)
 
 
 def _turns(sizes: list[int]) -> list[int]:

@@ -69,14 +69,15 @@ def test_fsdp_shard_lost_with_its_buddy():
         plan_sources(versions([7, -1, -1, 7], replica_at=[7, 7, 7, 7], replica_grads=[8] * 4), 7, FSDP)
 
 
-def test_shadows_are_copied_whole_again_unless_every_one_is_at_the_newest_step_or_one_step_from_it():
-    from hp.checkpointless.fsdp import shadows_current
+def test_only_missing_or_stale_shadows_are_copied_whole_again():
+    from hp.checkpointless.fsdp import stale_shadows
 
-    assert shadows_current(versions([7] * 4, replica_at=[7] * 4), 7)
-    assert shadows_current(versions([7] * 4, replica_at=[7, 6, 7, 7], replica_grads=[-1, 7, -1, -1]), 7)
-    assert not shadows_current(versions([7] * 4, replica_at=[7, 6, 7, 7]), 7)  # one step behind, no gradients
-    assert not shadows_current(versions([7, -1, 7, 7], replica_at=[7, NO_REPLICA, 7, 7]), 7)  # a fresh process
-    assert not shadows_current(versions([-1] * 4), -1)  # job start: NO_REPLICA is not "one step before -1"
+    assert stale_shadows(versions([7] * 4, replica_at=[7] * 4), 7) == []
+    assert stale_shadows(versions([7] * 4, replica_at=[7, 6, 7, 7], replica_grads=[-1, 7, -1, -1]), 7) == []
+    assert stale_shadows(versions([7] * 4, replica_at=[7, 6, 7, 7]), 7) == [1]  # one step behind, no gradients
+    assert stale_shadows(versions([7, -1, 7, 7], replica_at=[7, NO_REPLICA, 7, 7]), 7) == [1]  # a replacement
+    assert stale_shadows(versions([-1] * 4), -1) == [0, 1, 2, 3]  # job start: NO_REPLICA is not "one step before -1"
+    assert stale_shadows(versions([7] * 4, replica_at=[7] * 4), 7, ring_kept=False) == [0, 1, 2, 3]
 
 
 def test_a_malformed_shard_from_a_peer_is_a_transfer_error_not_a_crash():

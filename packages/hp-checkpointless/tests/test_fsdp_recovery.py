@@ -114,6 +114,20 @@ def test_fsdp_survives_a_second_failure_during_hydration(references, job_env, tm
     assert {r for r, *_ in rebuilt(result)} == {1, 3}
 
 
+def test_fsdp_shadows_kept_through_recoveries_rebuild_the_next_losses(references, job_env, tmp_path):
+    """After a recovery only the replacement's shadow (of its ward) is copied whole again; every other
+    shadow is kept, advanced by each step's gradients. Three failures, each rebuilt from a shadow of
+    another history: rank 1's from rank 2's shadow made at the start, rank 2's from rank 3's, kept through
+    the first recovery, rank 0's from rank 1's, copied whole at the first recovery and kept through the
+    second."""
+    result = faulted(tmp_path, job_env, FSDP, [kill(1, "forward", 3), kill(2, "forward", 5), kill(0, "forward", 7)],
+                     spares=3)
+    assert_identical(references["fsdp"], result, FSDP)
+    assert rebuilt(result) == [(1, 2, False, 2), (2, 3, False, 4), (0, 1, False, 6)]
+    copied = sorted({(e["generation"], tuple(e["ranks"])) for e in result.events if e["event"] == "shadows_copied"})
+    assert [ranks for _, ranks in copied] == [(0, 1, 2, 3), (1,), (2,), (0,)], copied  # the start, then one each
+
+
 MICRO = ["--micro-batches", "8", "--batch-size", "2"]  # 8 micro-batches of 2 samples a step: 2 per rank
 
 

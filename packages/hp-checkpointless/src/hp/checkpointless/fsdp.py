@@ -24,7 +24,7 @@ A survivor that missed the vote of the newest step but finished its backward rol
 forward the same way. Everything else a replacement lacks (buffers, RNG, scheduler, extras) comes from
 the lowest up-to-date rank, as for ZeRO (:meth:`hp.checkpointless.registry.TrainingState.replicated_part`).
 Which rank sends what is :func:`plan_sources`, pure and the same on every rank; whether the shadows
-must be copied whole again, :func:`shadows_current`.
+must be copied whole again, :func:`stale_shadows`.
 """
 
 from __future__ import annotations
@@ -100,10 +100,14 @@ def plan_sources(v: ShardVersions, newest: int, layout: MeshLayout, ring: Sequen
     return rolls, sources
 
 
-def shadows_current(v: ShardVersions, newest: int) -> bool:
-    """Pure FSDP: whether every rank's shadow of its ward is at ``newest`` or can be brought there."""
-    return all(at != NO_REPLICA and (at == newest or (at == newest - 1 and g == newest))
-               for at, g in zip(v.replica_at, v.replica_grads))
+def stale_shadows(v: ShardVersions, newest: int, ring_kept: bool = True) -> list[int]:
+    """Pure FSDP: the ranks whose shadow of their ward is missing (a fresh process) or cannot be brought to
+    ``newest`` (one step behind without that step's gradients); each gets its ward's shard copied whole. A
+    shadow at ``newest``, or one step behind with the gradients that bring it there, is kept: it is the
+    ward's committed shard (a replacement's shard *is* its buddy's shadow, or a copy of it). Every rank
+    when the ring changed (``ring_kept`` false): a kept shadow may be of a rank that is no longer the ward."""
+    return [r for r, (at, g) in enumerate(zip(v.replica_at, v.replica_grads))
+            if not ring_kept or at == NO_REPLICA or not (at == newest or (at == newest - 1 and g == newest))]
 
 
 class ShardedModel:
@@ -194,12 +198,19 @@ class ShardedModel:
         except state.StateTransferError:  # the step stands (committed); the next formation copies the shard whole
             self.shadow = None
 
-    def sync(self, rank: int, optimizer: torch.optim.Optimizer, move: Callable[[Callable[[], None]], None]) -> None:
-        """Pure FSDP: this rank's whole shard to its buddy, which makes a new shadow of it; keeps its
-        ward's (after a formation that changed who holds what)."""
+    def sync(self, rank: int, optimizer: torch.optim.Optimizer, move: Callable[[Callable[[], None]], None],
+             stale: Sequence[int] | None = None) -> None:
+        """Pure FSDP: a new shadow for each rank in ``stale`` (:func:`stale_shadows`; None: every rank, after
+        a formation that changed who holds what), made from its ward's whole shard. Every rank calls it
+        with the same ``stale``; transfers run in its order (each between the two ranks at the same item:
+        no cycle of blocked sends), all at once along the ring when every shadow is stale."""
         if self.grads_in is None:
             return
-        message = {"at": self.version, "shard": self.shard(optimizer), "hyper": hyper(optimizer.param_groups)}
+        ring = self._ring()
+
+        def send(buddy: int) -> None:
+            state.send_state({"at": self.version, "shard": self.shard(optimizer),
+                              "hyper": hyper(optimizer.param_groups)}, buddy)
 
         def receive(ward: int) -> None:
             received = state.recv_state(ward)  # a fresh buffer: the shadow keeps it
@@ -207,7 +218,16 @@ class ShardedModel:
                 self.shadow = Shadow(received, type(optimizer))
             self.grads_in.drop()
 
-        ring_exchange(self._ring(), rank, lambda buddy: state.send_state(message, buddy), receive, move)
+        stale = sorted(set(range(len(ring)) if stale is None else stale))
+        if len(stale) == len(ring):
+            ring_exchange(ring, rank, send, receive, move)
+            return
+        for r in stale:
+            ward = ward_in(ring, r)
+            if rank == ward:
+                move(lambda r=r: send(r))
+            elif rank == r:
+                move(lambda ward=ward: receive(ward))
 
     def copy_for_replacement(self, optimizer: torch.optim.Optimizer, newest: int) -> dict:
         """What this rank sends a replacement of a rank holding its shard (HSDP), or of its ward (FSDP)."""

@@ -22,6 +22,7 @@ from hp.checkpointless import fsdp, reshard, sharded, shm, state
 from hp.checkpointless.events import EventLog
 from hp.checkpointless.premap import Premaps
 from hp.checkpointless.registry import TrainingState
+from hp.checkpointless.replicas import check_ring
 from hp.checkpointless.transaction import StepTransaction
 from hp.core.protocol import Event
 
@@ -149,7 +150,7 @@ def fsdp_shards(st: TrainingState, a: Agreement, rank: int, collective: Callable
     """An FSDP2 model: ranks that missed the vote roll their own shard forward, a replacement gets its
     shard from a rank holding the same one (HSDP) or from its buddy's shadow, rolled forward when one step
     behind (FSDP); the replicated rest from the source; then (pure FSDP) shadows that fell behind catch up,
-    or every rank's shard is copied whole to its buddy again when any shadow is missing or stale."""
+    and a rank whose shadow is missing or stale (a replacement's) gets its ward's shard copied whole."""
     fs, optimizer = st.fsdp, st.optimizer
     v = fsdp.ShardVersions(a.versions.shard, a.versions.grads, a.versions.replica, list(a.replica_grads))
     rolls, sources = fsdp.plan_sources(v, a.newest, fs.mesh.layout, fs.ring)  # ShardLost: on every rank alike
@@ -174,8 +175,13 @@ def fsdp_shards(st: TrainingState, a: Agreement, rank: int, collective: Callable
                           generation=a.generation)
     _replicated_rest(st, a, rank, events)
     fs.advance_shadow(a.newest)  # a buddy that missed the vote of `newest` re-runs its ward's update now
-    if rolls or sources or not fsdp.shadows_current(v, a.newest):
-        fs.sync(rank, optimizer, collective)
+    if not fs.buddies:
+        return
+    world = fs.mesh.layout.world
+    stale = fsdp.stale_shadows(v, a.newest, ring_kept=check_ring(fs.ring, world) == check_ring(a.ring, world))
+    if stale:
+        fs.sync(rank, optimizer, collective, stale)
+        events.record(Event.SHADOWS_COPIED, rank=rank, ranks=stale, generation=a.generation)
 
 
 def _replicated_rest(st: TrainingState, a: Agreement, rank: int, events: EventLog) -> None:

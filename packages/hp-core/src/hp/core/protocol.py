@@ -217,6 +217,7 @@ class Event(StrEnum):
     RESCALING = "rescaling"  # a planned re-form at a step boundary (grow, preemption) starts
     RESUMED = "resumed"
     SHARD_REBUILT = "shard_rebuilt"
+    SHADOWS_COPIED = "shadows_copied"  # pure FSDP: these ranks' shadows were made again from their wards' shards
     SPARE_READY = "spare_ready"
     SPARE_READY_UNREPORTED = "spare_ready_unreported"
     STARTED = "started"
