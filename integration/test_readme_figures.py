@@ -18,6 +18,7 @@ READMES = [ROOT / "README.md", *sorted((ROOT / "packages").glob("*/README.md"))]
 LINK = re.compile(r"\[([^\]]*?)\]\(((?:\.\./)*benchmarks/results/[\w.-]+\.json)#([\w.\-]+)\)")
 NUMBER = re.compile(r"(-?[\d,]*\.?\d+)\s*(ms|s|%|×|x|h|k)?")
 SCALE = {"ms": 1000.0, "%": 100.0, "k": 0.001}
+MIN_N = 3  # values behind a quoted median (hp bench recovery's default --repeats)
 # the figures a reader compares us on: README.md must quote each from the results file
 HEADLINE = [
     "benchmarks.recovery.variants.hp.downtime_s.median",
@@ -54,20 +55,32 @@ def links(readme: Path) -> list[tuple[str, Path, str]]:
     return [(text, (readme.parent / target).resolve(), key) for text, target, key in LINK.findall(readme.read_text())]
 
 
-@pytest.mark.parametrize("readme", READMES, ids=lambda p: str(p.relative_to(ROOT)))
-def test_every_linked_figure_is_the_value_in_the_committed_results_file(readme):
+def check(readme: Path) -> list[str]:
+    """What is wrong with ``readme``'s linked figures: a file not committed, a key it lacks, a value
+    that is not the text's, a median over too few values."""
     wrong = []
     for text, path, key in links(readme):
         if not path.is_file():
-            wrong.append(f"{text!r}: {path.relative_to(ROOT)} is not committed")
+            wrong.append(f"{text!r}: {path} is not committed")
             continue
         try:
-            value = resolve(json.loads(path.read_text()), key)
+            doc = json.loads(path.read_text())
+            value = resolve(doc, key)
+            spread = resolve(doc, key.rsplit(".", 1)[0]) if key.endswith(".median") else {"n": MIN_N}
         except (KeyError, IndexError, ValueError) as e:
             wrong.append(f"{text!r}: {e}")
             continue
         if not matches(text, value):
             wrong.append(f"{text!r}: the file holds {value!r} at {key}")
+        if not isinstance(spread, dict) or spread.get("n", 0) < MIN_N:  # a smoke run's median is no figure
+            wrong.append(f"{text!r}: a median over {spread.get('n') if isinstance(spread, dict) else '?'} values "
+                         f"(a quoted median needs >= {MIN_N})")
+    return wrong
+
+
+@pytest.mark.parametrize("readme", READMES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_linked_figure_is_the_value_in_the_committed_results_file(readme):
+    wrong = check(readme)
     assert not wrong, "\n".join(wrong)
 
 
@@ -91,3 +104,15 @@ def test_the_checker_itself_rejects_a_figure_that_is_not_the_value():
     assert matches("7.4×", 7.43) and matches("$4,693", 4693.3)
     assert not matches("0.80 s", 0.7912) and not matches("97.4 %", 0.9731) and not matches("fast", 1.0)
     assert not matches("1 s", True)
+
+
+def test_the_checker_refuses_a_median_of_a_smoke_run(tmp_path):
+    results = tmp_path / "benchmarks" / "results"
+    results.mkdir(parents=True)
+    spread = {"median": 0.5, "min": 0.4, "max": 0.6, "n": 3}
+    (results / "r.json").write_text(json.dumps({"a": spread, "b": {**spread, "n": 1}}))
+    readme = tmp_path / "README.md"
+    readme.write_text("[0.50 s](benchmarks/results/r.json#a.median) [0.50 s](benchmarks/results/r.json#b.median) "
+                      "[0.60 s](benchmarks/results/r.json#b.max) [0.4 s](benchmarks/results/r.json#a.median)")
+    assert check(readme) == ["'0.50 s': a median over 1 values (a quoted median needs >= 3)",
+                             "'0.4 s': the file holds 0.5 at a.median"]

@@ -15,8 +15,8 @@ from hp.core.testing import HP, kill_tagged, tagged_pids
 
 
 
-@pytest.mark.timeout(900)  # four variants, 3 faults each, 13 jobs: a hang guard for a loaded 2-core box
-def test_bench_recovery_every_variant_three_faults_one_rank_per_core(tmp_path):
+@pytest.mark.timeout(600)  # four variants, one fault each (a smoke run), 8 jobs: a hang guard for a loaded 2-core box
+def test_bench_recovery_every_variant_one_rank_per_core(tmp_path):
     (tmp_path / "cache").mkdir()
     tag = f"HP_TEST_DIR={tmp_path}"
     env = {**os.environ, "HP_DATA_CACHE_DIR": str(tmp_path / "cache"), "HP_TEST_DIR": str(tmp_path)}
@@ -24,8 +24,8 @@ def test_bench_recovery_every_variant_three_faults_one_rank_per_core(tmp_path):
         out = subprocess.run(
             [*HP, "bench", "recovery", "--json", "--model-size", "tiny", "--steps", "12", "--fault-step", "6",
              "--ckpt-every", "4", "--corpus-mb", "2", "--timeout", "120", "--log-dir", str(tmp_path / "logs"),
-             "--variants", "hp,torchrun_dcp,torchft,nvrx_tuned"],
-            env=env, capture_output=True, text=True, timeout=880, check=False)
+             "--variants", "hp,torchrun_dcp,torchft,nvrx_tuned", "--repeats", "1"],
+            env=env, capture_output=True, text=True, timeout=580, check=False)
         left = tagged_pids(tag)  # no launcher, worker, spare or Lighthouse may outlive the bench
     finally:
         kill_tagged(tag)
@@ -34,17 +34,17 @@ def test_bench_recovery_every_variant_three_faults_one_rank_per_core(tmp_path):
     r = json.loads(out.stdout.strip().splitlines()[-1])
     assert r["benchmark"] == "recovery" and r["definition_version"] == 2
     assert r["machine"]["cores"] >= 1 and len(r["load_avg"]["before"]) == 3 and len(r["load_avg"]["after"]) == 3
-    assert (r["model_size"], r["world_size"], r["repeats"]) == ("tiny", 2, 3) and r["params"] > 0
+    assert (r["model_size"], r["world_size"], r["repeats"]) == ("tiny", 2, 1) and r["params"] > 0
     assert r["fault"] == {"kind": "kill", "rank": 1, "after_step": 6, "steps_after": 5}
     assert r["pinned"] is True and r["one_rank_per_core"] is (r["machine"]["cores"] >= 2)
     v = r["variants"]
     assert set(v) == {"hp", "torchrun_dcp", "torchft", "nvrx_tuned"}
     for name, variant in v.items():
         assert variant["completed"] is True, (name, [x.get("error_tail") for x in variant["runs"]])
-        assert len(variant["runs"]) == 3
+        assert len(variant["runs"]) == 1
         for key in ("downtime_s", "to_next_step_s", "step_time_s", "recovery_s"):
             s = variant[key]
-            assert s["n"] == 3 and s["min"] <= s["median"] <= s["max"], (name, key, s)
+            assert s["n"] == 1 and s["min"] <= s["median"] <= s["max"], (name, key, s)
         for run in variant["runs"]:  # downtime = every rank back at step F+1, less one step of the variant
             assert run["downtime_s"] == pytest.approx(run["to_next_step_s"] - run["step_time_s"])
             assert 0 < run["step_time_s"] and 0 < run["to_next_step_s"], (name, run)
@@ -77,9 +77,10 @@ def test_bench_recovery_every_variant_three_faults_one_rank_per_core(tmp_path):
         assert run["first_divergent_step"] == 7 and run["dropped_batches"] >= 1
     assert "heals from a live peer" in ft["runs"][0]["how"]
     nv = v["nvrx_tuned"]
-    assert nv["downtime_s"]["n"] == 3 and r["ratios"]["nvrx_tuned_over_hp"] > 0
+    assert nv["downtime_s"]["n"] == 1 and r["ratios"]["nvrx_tuned_over_hp"] > 0
     assert "fault -> step 7 on every rank" in out.stdout and "downtime (that - step time)" in out.stdout
-    assert "median [min-max]" in out.stdout and "NVRx (tuned intervals)" in out.stdout
+    assert "median [min-max] (a smoke run: too few faults for a figure to quote)" in out.stdout
+    assert "NVRx (tuned intervals)" in out.stdout
 
 
 def _event(t: float, event: str, rank: int, attempt: int, **fields) -> dict:
@@ -88,14 +89,14 @@ def _event(t: float, event: str, rank: int, attempt: int, **fields) -> dict:
 
 def test_bench_recovery_of_an_fsdp_model_against_its_own_reference(tmp_path):
     """--variants hp_fsdp: the demo job sharded with FSDP2, a spare given the dead rank's shard from its buddy's
-    shadow; three faults, each compared bit for bit (every rank's own shard) with an FSDP2 reference."""
+    shadow; one fault (a smoke run), compared bit for bit (every rank's own shard) with an FSDP2 reference."""
     (tmp_path / "cache").mkdir()
     tag = f"HP_TEST_DIR={tmp_path}"
     env = {**os.environ, "HP_DATA_CACHE_DIR": str(tmp_path / "cache"), "HP_TEST_DIR": str(tmp_path)}
     try:
         out = subprocess.run(
             [*HP, "bench", "recovery", "--model-size", "tiny", "--steps", "12", "--fault-step", "6", "--corpus-mb", "2",
-             "--timeout", "120", "--log-dir", str(tmp_path / "logs"), "--variants", "hp_fsdp"],
+             "--timeout", "120", "--log-dir", str(tmp_path / "logs"), "--variants", "hp_fsdp", "--repeats", "1"],
             env=env, capture_output=True, text=True, timeout=600, check=False)
     finally:
         kill_tagged(tag)
@@ -126,7 +127,7 @@ def test_downtime_is_kill_to_interrupted_step_committed_again_less_one_step():
 
 @pytest.mark.parametrize("argv", [["bench"], ["bench", "recovery", "--steps", "8", "--fault-step", "7"],
                                   ["bench", "recovery", "--steps", "12", "--fault-step", "7"],  # 4 steps after it
-                                  ["bench", "recovery", "--repeats", "2"], ["bench", "recovery", "--variants", "hp,x"],
+                                  ["bench", "recovery", "--repeats", "0"], ["bench", "recovery", "--variants", "hp,x"],
                                   ["bench", "recovery", "--model-size", "huge"], ["bench", "recovery", "--nproc", "1"],
                                   ["bench", "recovery", "--torchft-heartbeat-timeout-ms", "0"]])
 def test_bad_bench_arguments_are_usage_errors(argv, capsys):

@@ -67,7 +67,7 @@ from hp.core.protocol import Event
 
 DEFINITION_VERSION = 2
 MIN_STEPS_AFTER = 5  # steps from the fault on (F+1 included): bit-equality covers them all
-MIN_REPEATS = 3
+MIN_REPEATS = 3  # the default: a figure to quote is a median with its spread (test_readme_figures)
 VARIANTS = ("hp", "torchrun_dcp", "torchft", "nvrx_default", "nvrx_tuned")
 HP_VARIANTS = {"hp": [], "hp_fsdp": ["--fsdp"]}  # hp's own: extra demo flags (hp_fsdp: only when asked for)
 

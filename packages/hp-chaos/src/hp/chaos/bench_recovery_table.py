@@ -28,7 +28,8 @@ def format_table(r: dict[str, Any]) -> str:
     head = (f"recovery bench v{r['definition_version']}: model {r['model_size']} ({r['params'] / 1e6:.1f} M params, "
             f"vocab {r['vocab']}), {r['world_size']} ranks{' pinned one per core' if r['one_rank_per_core'] else ''}, "
             f"SIGKILL of rank {f['rank']} after step {f['after_step']} of {r['steps']} ({f['steps_after']} steps "
-            f"follow), {r['repeats']} faults per variant; median [min-max]")
+            f"follow), {r['repeats']} faults per variant; median [min-max]"
+            f"{'' if r['repeats'] >= 3 else ' (a smoke run: too few faults for a figure to quote)'}")
     ran = {k: v for k, v in variants.items() if "skipped" not in v}
 
     def row(label: str, cell) -> tuple[str, ...]:
