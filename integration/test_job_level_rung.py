@@ -68,35 +68,34 @@ def job_env(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def reference(job_env, tmp_path_factory) -> RunResult:
-    result = run_job(config(spares=0), str(tmp_path_factory.mktemp("reference")), [], job_env)
-    assert result.returncode == 0, result.output[-3000:]
-    return result
+def reference(job_env, tmp_path_factory, chaos_reference_cache) -> RunResult:
+    return _reference(job_env, tmp_path_factory, chaos_reference_cache, [], "reference")
 
 
 def restored(result: RunResult) -> list[dict]:
     return [e for e in result.events if e["event"] == "restored"]
 
 
-def _reference(job_env, tmp_path_factory, args: list[str], name: str) -> RunResult:
-    result = run_job(config(spares=0, train_args=args), str(tmp_path_factory.mktemp(name)), [], job_env)
+def _reference(job_env, tmp_path_factory, cache, args: list[str], name: str) -> RunResult:
+    # once for the session, whichever xdist worker asks first (the other waits for it)
+    result = cache.demo(config(spares=0, train_args=args), job_env, str(tmp_path_factory.mktemp(name)))
     assert result.returncode == 0, result.output[-3000:]
     return result
 
 
 @pytest.fixture(scope="module")
-def zero_reference(job_env, tmp_path_factory) -> RunResult:
-    return _reference(job_env, tmp_path_factory, ["--zero"], "zero-reference")
+def zero_reference(job_env, tmp_path_factory, chaos_reference_cache) -> RunResult:
+    return _reference(job_env, tmp_path_factory, chaos_reference_cache, ["--zero"], "zero-reference")
 
 
 @pytest.fixture(scope="module")
-def fsdp_reference(job_env, tmp_path_factory) -> RunResult:
-    return _reference(job_env, tmp_path_factory, ["--fsdp"], "fsdp-reference")
+def fsdp_reference(job_env, tmp_path_factory, chaos_reference_cache) -> RunResult:
+    return _reference(job_env, tmp_path_factory, chaos_reference_cache, ["--fsdp"], "fsdp-reference")
 
 
 @pytest.fixture(scope="module")
-def hsdp_reference(job_env, tmp_path_factory) -> RunResult:
-    return _reference(job_env, tmp_path_factory, ["--hsdp", "2"], "hsdp-reference")
+def hsdp_reference(job_env, tmp_path_factory, chaos_reference_cache) -> RunResult:
+    return _reference(job_env, tmp_path_factory, chaos_reference_cache, ["--hsdp", "2"], "hsdp-reference")
 
 
 @pytest.mark.parametrize("layout, killed, reference_of, lost", [

@@ -17,6 +17,9 @@ from hp.chaos.slurm_elastic import SlurmElasticConfig, run_slurm_elastic, timing
 # a Slurm job has its own deadline (SlurmElasticConfig.timeout_s, 480 s) and says what it was waiting for;
 # pytest's default 300 s cut a slow run (two of these side by side: one took 307 s) before it could say
 pytestmark = pytest.mark.timeout(600)
+# half the default's samples per step (12 micro-batches of 2): the events take as long, the steps around them
+# and the fixed-size reference (shared by the two 200-step runs: chaos_reference_cache) half as long
+BATCH = {"global_batch": 24, "micro_batch": 2}
 
 
 def _turns(sizes: list[int]) -> list[int]:
@@ -25,8 +28,8 @@ def _turns(sizes: list[int]) -> list[int]:
     return [w for i, w in enumerate(out) if i in (0, len(out) - 1) or (out[i - 1] < w) != (w < out[i + 1])]
 
 
-def test_grow_preempt_regrow_and_node_down_bit_identical(tmp_path):
-    r = run_slurm_elastic(SlurmElasticConfig(log_dir=str(tmp_path), steps=400))
+def test_grow_preempt_regrow_and_node_down_bit_identical(tmp_path, chaos_reference_cache):
+    r = run_slurm_elastic(SlurmElasticConfig(log_dir=str(tmp_path), steps=400, **BATCH), chaos_reference_cache)
     brief = {k: r.get(k) for k in ("error", "world_sizes", "marks", "units", "base_state", "shrink_s", "grow_s",
                                    "state_differences", "error_tail")}
     assert r["completed"], json.dumps(brief, indent=1)
@@ -44,11 +47,12 @@ def test_grow_preempt_regrow_and_node_down_bit_identical(tmp_path):
     assert "NODE_FAIL" in states and states.count("COMPLETED") >= 2, brief  # the DOWN node's unit; the preempted
 
 
-def test_the_job_grows_to_its_qos_quota_then_into_the_raised_quota(tmp_path):
+def test_the_job_grows_to_its_qos_quota_then_into_the_raised_quota(tmp_path, chaos_reference_cache):
     """Slurm accounting (MariaDB + slurmdbd) enforcing a QOS that lets the user hold 3 of the 4 nodes: the
     2-node base grows by one unit, the other waits for the quota (Slurm's reason), and capacity() says 3;
     the quota raised to 4, the waiting unit starts and the job grows to 4. Bit-identical to a 4-rank run."""
-    r = run_slurm_elastic(SlurmElasticConfig(log_dir=str(tmp_path), steps=200, quota=3, node_down=False))
+    r = run_slurm_elastic(SlurmElasticConfig(log_dir=str(tmp_path), steps=200, quota=3, node_down=False, **BATCH),
+                          chaos_reference_cache)
     brief = {k: r.get(k) for k in ("error", "world_sizes", "marks", "units", "base_state", "grow_s",
                                    "base_capacity_log", "state_differences", "error_tail")}
     assert r["completed"], json.dumps(brief, indent=1)
@@ -63,12 +67,13 @@ def test_the_job_grows_to_its_qos_quota_then_into_the_raised_quota(tmp_path):
     assert any("QOS quota 3" in line for line in r["base_capacity_log"]), brief  # the base job saw it too
 
 
-def test_a_failed_base_node_is_replaced_and_the_job_never_stops(tmp_path):
+def test_a_failed_base_node_is_replaced_and_the_job_never_stops(tmp_path, chaos_reference_cache):
     """Five nodes, the job at 4 (a 2-node base, two units): base node 1's node set DOWN. Slurm takes it out of
     the base job (--no-kill) and kills its agent; the base job tells the controller at once (node_failed),
     the job trains on at 3, and a replacement job for node rank 1 starts on the free node and joins (4).
     Bit-identical to a 4-rank run."""
-    r = run_slurm_elastic(SlurmElasticConfig(log_dir=str(tmp_path), steps=200, base_down=True, node_down=False))
+    r = run_slurm_elastic(SlurmElasticConfig(log_dir=str(tmp_path), steps=200, base_down=True, node_down=False, **BATCH),
+                          chaos_reference_cache)
     brief = {k: r.get(k) for k in ("error", "world_sizes", "marks", "units", "base_state", "grow_s", "events",
                                    "state_differences", "error_tail")}
     assert r["completed"], json.dumps(brief, indent=1)

@@ -30,10 +30,10 @@ def job_env(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def references(job_env, tmp_path_factory) -> dict[str, RunResult]:
-    out = {}
+def references(job_env, tmp_path_factory, chaos_reference_cache) -> dict[str, RunResult]:
+    out = {}  # once for the session, whichever xdist worker asks first (the other waits for it)
     for name, args in (("hsdp", HSDP), ("fsdp", FSDP)):
-        result = run_job(config(args, spares=0), str(tmp_path_factory.mktemp(f"reference-{name}")), [], job_env)
+        result = chaos_reference_cache.demo(config(args, spares=0), job_env, str(tmp_path_factory.mktemp(f"reference-{name}")))
         assert result.returncode == 0, result.output[-3000:]
         assert len(result.losses()) == STEPS
         out[name] = result
@@ -63,16 +63,16 @@ def kill(rank: int, phase: str, step: int = AT) -> dict:
     return {"at_step": step, "phase": phase, "kind": "kill", "rank": rank}
 
 
-@pytest.mark.parametrize("phase, rank", [
-    ("forward", 1),  # peers fail in FSDP's all-gathers
-    ("allreduce", 2),  # at its first reduce-scatter: peers fail in FSDP's reductions, inside backward
-    ("optimizer", 1),  # after the vote: the survivors committed the step
-])
-def test_hsdp_shard_comes_back_from_the_replicate_group(references, job_env, tmp_path, phase, rank):
-    result = faulted(tmp_path, job_env, HSDP, [kill(rank, phase)])
+def test_hsdp_shards_come_back_from_the_replicate_group_in_every_phase(references, job_env, tmp_path):
+    """Three failures in a row, one in each phase: in the forward pass (peers fail in FSDP's all-gathers),
+    at the first reduce-scatter (peers fail in FSDP's reductions, inside backward), and after the vote (the
+    survivors committed the step; the replacement of the first failure dies). Each lost shard comes back
+    from the rank holding it in the other replicate group (r + 2); a failure before the vote leaves the
+    step before it as the newest."""
+    result = faulted(tmp_path, job_env, HSDP, [kill(1, "forward", 3), kill(2, "allreduce", 5), kill(1, "optimizer", 7)],
+                     spares=3)
     assert_identical(references["hsdp"], result, HSDP)
-    step = AT if phase == "optimizer" else AT - 1
-    assert rebuilt(result) == [(rank, (rank + 2) % NPROC, False, step)]  # ranks r and r+2 hold the same shard
+    assert rebuilt(result) == [(1, 3, False, 2), (2, 0, False, 4), (1, 3, False, 7)]
 
 
 def test_hsdp_survives_the_death_of_the_source_during_hydration(references, job_env, tmp_path):
@@ -90,22 +90,6 @@ def test_hsdp_shard_lost_with_its_replicate_group_stops_the_job_naming_it(job_en
         result.output[-3000:]
 
 
-@pytest.mark.parametrize("phase, rank", [
-    ("backward", 2),  # before the vote: the newest step is the one before
-    ("allreduce", 1),
-    ("optimizer", 2),  # after the vote: the survivors committed the step
-])
-def test_fsdp_shard_comes_back_from_the_buddy(references, job_env, tmp_path, phase, rank):
-    """The buddy's shadow of the lost shard is at the committed step: the buddy re-ran the ward's update
-    with the gradients the ward sent before the vote, whether that vote was the failed step's (after
-    the vote) or the one before (a failure before it). (A buddy that missed the vote rolls forward: the
-    plan's unit tests.)"""
-    result = faulted(tmp_path, job_env, FSDP, [kill(rank, phase)])
-    assert_identical(references["fsdp"], result, FSDP)
-    step = AT if phase == "optimizer" else AT - 1
-    assert rebuilt(result) == [(rank, (rank + 1) % NPROC, False, step)]
-
-
 def test_fsdp_survives_a_second_failure_during_hydration(references, job_env, tmp_path):
     """Rank 3 dies while rank 1's replacement is hydrated: its shard is still at its buddy (rank 0), and
     rank 1's buddy keeps its copy until a transfer completes."""
@@ -114,16 +98,20 @@ def test_fsdp_survives_a_second_failure_during_hydration(references, job_env, tm
     assert {r for r, *_ in rebuilt(result)} == {1, 3}
 
 
-def test_fsdp_shadows_kept_through_recoveries_rebuild_the_next_losses(references, job_env, tmp_path):
-    """After a recovery only the replacement's shadow (of its ward) is copied whole again; every other
-    shadow is kept, advanced by each step's gradients. Three failures, each rebuilt from a shadow of
-    another history: rank 1's from rank 2's shadow made at the start, rank 2's from rank 3's, kept through
-    the first recovery, rank 0's from rank 1's, copied whole at the first recovery and kept through the
-    second."""
-    result = faulted(tmp_path, job_env, FSDP, [kill(1, "forward", 3), kill(2, "forward", 5), kill(0, "forward", 7)],
+def test_fsdp_shards_come_back_from_buddies_in_every_phase_and_shadows_are_kept(references, job_env, tmp_path):
+    """Three failures in a row, one in each phase: in the forward pass, in the reduction, after the vote.
+    Each lost shard comes back from its buddy's shadow (of rank r, held by r + 1), at the committed step:
+    the buddy re-ran the ward's update with the gradients the ward sent before the vote, whether that
+    vote was the failed step's (after the vote) or the one before (a failure before it); a buddy that
+    missed the vote rolls forward (the plan's unit tests). After a recovery only the replacement's shadow
+    (of its ward) is copied whole again; every other shadow is kept, advanced by each step's gradients. So
+    each failure is rebuilt from a shadow of another history: rank 1's from rank 2's shadow made at the
+    start, rank 2's from rank 3's, kept through the first recovery, rank 0's from rank 1's, copied whole
+    at the first recovery and kept through the second."""
+    result = faulted(tmp_path, job_env, FSDP, [kill(1, "forward", 3), kill(2, "allreduce", 5), kill(0, "optimizer", 7)],
                      spares=3)
     assert_identical(references["fsdp"], result, FSDP)
-    assert rebuilt(result) == [(1, 2, False, 2), (2, 3, False, 4), (0, 1, False, 6)]
+    assert rebuilt(result) == [(1, 2, False, 2), (2, 3, False, 4), (0, 1, False, 7)]
     copied = sorted({(e["generation"], tuple(e["ranks"])) for e in result.events if e["event"] == "shadows_copied"})
     assert [ranks for _, ranks in copied] == [(0, 1, 2, 3), (1,), (2,), (0,)], copied  # the start, then one each
 

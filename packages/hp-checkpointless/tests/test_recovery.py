@@ -34,8 +34,8 @@ def job_env(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def reference(job_env, tmp_path_factory) -> RunResult:
-    result = run_job(config(spares=0), str(tmp_path_factory.mktemp("reference")), [], job_env)
+def reference(job_env, tmp_path_factory, chaos_reference_cache) -> RunResult:
+    result = chaos_reference_cache.demo(config(spares=0), job_env, str(tmp_path_factory.mktemp("reference")))
     assert result.returncode == 0, result.output[-3000:]
     assert len(result.losses()) == STEPS
     return result

@@ -40,6 +40,7 @@ import json
 import os
 import statistics
 import tempfile
+from collections.abc import Callable
 from dataclasses import asdict, replace
 from typing import Any
 
@@ -48,26 +49,40 @@ from hp.chaos.faults import fault_kinds
 from hp.chaos.faults.base import FaultSpec
 from hp.chaos.launch import JobRun, run_job
 from hp.chaos.scenario import JobSpec, Scenario
+from hp.checkpointless.demo.run import DemoConfig
+from hp.checkpointless.demo.run import run_job as run_demo_job
 from hp.checkpointless.demo.run import (RunResult, compare, compare_state, differing_steps, final_states,
                                         recovery_timeline, step_time)
 from hp.core.protocol import Decision, Event
 
 
 class ReferenceCache:
-    """Fault-free runs by :meth:`JobSpec.reference_key`: in memory, and in ``directory`` if given
-    (shared by the processes of one session, e.g. ``pytest -n 2`` workers; a file lock makes the
-    second one wait for the first instead of running the same job again)."""
+    """Fault-free runs by key (a scenario job's :meth:`JobSpec.reference_key`; any other job's own
+    tuple): in memory, and in ``directory`` if given (shared by the processes of one session, e.g.
+    ``pytest -n 2`` workers; a file lock makes the second one wait for the first instead of running
+    the same job again). Only a run that exited 0 is kept."""
 
     def __init__(self, directory: str | None = None) -> None:
         self.directory = directory
         self._memory: dict[tuple, RunResult] = {}
 
     def get(self, job: JobSpec, env: dict[str, str] | None, fallback_dir: str) -> RunResult:
-        key = job.reference_key()
+        """The fault-free run of a scenario's ``job``."""
+        return self.run(job.reference_key(), lambda log_dir: _reference(job, log_dir, env), fallback_dir)
+
+    def demo(self, cfg: DemoConfig, env: dict[str, str] | None, fallback_dir: str) -> RunResult:
+        """The fault-free run of the demo job ``cfg`` (:func:`hp.checkpointless.demo.run.run_job`), keyed by
+        the config and the names of the variables ``env`` adds (their values are paths and ports: they
+        differ between callers, never the bits)."""
+        key = ("demo", json.dumps(asdict(cfg), sort_keys=True), tuple(sorted(env or {})))
+        return self.run(key, lambda log_dir: run_demo_job(cfg, log_dir, [], env), fallback_dir)
+
+    def run(self, key: tuple, run: Callable[[str], RunResult], fallback_dir: str) -> RunResult:
+        """``run(log_dir)``'s result for ``key``, run once: in ``fallback_dir``/reference without a directory."""
         if key in self._memory:
             return self._memory[key]
         if self.directory is None:
-            result = _reference(job, os.path.join(fallback_dir, "reference"), env)
+            result = run(os.path.join(fallback_dir, "reference"))
         else:
             name = "reference-" + hashlib.sha1(repr(key).encode()).hexdigest()[:16]
             path = os.path.join(self.directory, name + ".json")
@@ -78,7 +93,7 @@ class ReferenceCache:
                     with open(path) as f:
                         result = RunResult(**json.load(f))
                 else:
-                    result = _reference(job, os.path.join(self.directory, name), env)
+                    result = run(os.path.join(self.directory, name))
                     if result.returncode == 0:
                         with open(path + ".tmp", "w") as f:
                             json.dump(asdict(result), f)

@@ -40,11 +40,15 @@ import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
 
 from hp.core.slurm import SlurmCli
 from hp.core.slurm_cluster import LocalSlurm
 from hp.core.slurm_job import SlurmJobSpec, submit
 from hp.core.testing import free_port
+
+if TYPE_CHECKING:
+    from hp.chaos.runner import ReferenceCache
 
 POLL_S = 0.2
 QOS = "hpquota"
@@ -240,9 +244,10 @@ def timings(commits: list[tuple[float, int, int]], decisions: list[dict], marks:
     return out
 
 
-def run_slurm_elastic(cfg: SlurmElasticConfig) -> dict:
-    """Run the job (and its fixed-size reference); the comparison and the timings (never raises for a
-    job that fails: ``completed`` is False and ``error`` says why)."""
+def run_slurm_elastic(cfg: SlurmElasticConfig, cache: ReferenceCache | None = None) -> dict:
+    """Run the job (and its fixed-size reference: ``cache``'s if it holds one of the same job); the
+    comparison and the timings (never raises for a job that fails: ``completed`` is False and ``error``
+    says why)."""
     from hp.checkpointless.demo.run import RunResult, compare_state
     from hp.elastic.demo.run import (POLICY, ElasticDemoConfig, commits, lost_steps, reference_run, scale_events,
                                      train_argv, world_by_step)
@@ -257,7 +262,13 @@ def run_slurm_elastic(cfg: SlurmElasticConfig) -> dict:
                              model_size=cfg.model_size, exact=cfg.exact, corpus_mb=cfg.corpus_mb, seed=cfg.seed,
                              log_dir=root, timeout_s=cfg.timeout_s)
     final = cfg.max_nodes - (1 if cfg.node_down and not (cfg.quota or cfg.base_down) else 0)
-    reference = reference_run(demo, root, policy, ranks=final) if cfg.reference else None
+    reference = None
+    if cfg.reference:  # keyed by what decides its bits: the policy, the training arguments and the size
+        from hp.chaos.runner import ReferenceCache
+
+        with open(policy) as f:
+            key = ("slurm_elastic", f.read(), tuple(train_argv(demo, "POLICY")), final)
+        reference = (cache or ReferenceCache()).run(key, lambda d: reference_run(demo, d, policy, ranks=final), root)
     error, start = None, time.monotonic()
     with LocalSlurm(nodes=cfg.max_nodes + cfg.base_down, grace_s=cfg.grace_s, accounting=cfg.quota is not None) as slurm:
         run = _Run(cfg, slurm, root, policy, train_argv(demo, policy))

@@ -207,6 +207,7 @@ def lost_steps(events: list[dict], steps: int) -> int:
 def reference_run(cfg: ElasticDemoConfig, root: str, policy: str, ranks: int | None = None) -> RunResult:
     """The same job at a fixed size of ``ranks`` (default: the demo's full size), all on one node, no fault."""
     ref_dir = os.path.join(root, "reference")
+    os.makedirs(root, exist_ok=True)
     start = time.monotonic()
     job = _Job(_agent(ref_dir, ["--nproc-per-node", str(ranks or 2 * cfg.nproc_per_node)]) + train_argv(cfg, policy),
                os.path.join(root, "reference.out"), _env())
