@@ -24,7 +24,7 @@ def test_bench_recovery_every_variant_one_rank_per_core(tmp_path):
         out = subprocess.run(
             [*HP, "bench", "recovery", "--json", "--model-size", "tiny", "--steps", "12", "--fault-step", "6",
              "--ckpt-every", "4", "--corpus-mb", "2", "--timeout", "120", "--log-dir", str(tmp_path / "logs"),
-             "--variants", "hp,torchrun_dcp,torchft,nvrx_tuned", "--repeats", "1"],
+             "--variants", "hp,torchrun_dcp,torchft,nvrx_default", "--repeats", "1"],
             env=env, capture_output=True, text=True, timeout=580, check=False)
         left = tagged_pids(tag)  # no launcher, worker, spare or Lighthouse may outlive the bench
     finally:
@@ -38,7 +38,9 @@ def test_bench_recovery_every_variant_one_rank_per_core(tmp_path):
     assert r["fault"] == {"kind": "kill", "rank": 1, "after_step": 6, "steps_after": 5}
     assert r["pinned"] is True and r["one_rank_per_core"] is (r["machine"]["cores"] >= 2)
     v = r["variants"]
-    assert set(v) == {"hp", "torchrun_dcp", "torchft", "nvrx_tuned"}
+    # NVRx with its default intervals: the tuned ones (test_nvrx_baseline runs both) restart in a loop on their
+    # 2 s store waits when a loaded 2-core box runs the suite beside the bench (seen: 26 restarts, no step)
+    assert set(v) == {"hp", "torchrun_dcp", "torchft", "nvrx_default"}
     for name, variant in v.items():
         assert variant["completed"] is True, (name, [x.get("error_tail") for x in variant["runs"]])
         assert len(variant["runs"]) == 1
@@ -76,11 +78,11 @@ def test_bench_recovery_every_variant_one_rank_per_core(tmp_path):
         assert run["equal_before_fault"] is True and run["bitwise_equal"] is False
         assert run["first_divergent_step"] == 7 and run["dropped_batches"] >= 1
     assert "heals from a live peer" in ft["runs"][0]["how"]
-    nv = v["nvrx_tuned"]
-    assert nv["downtime_s"]["n"] == 1 and r["ratios"]["nvrx_tuned_over_hp"] > 0
+    nv = v["nvrx_default"]
+    assert nv["downtime_s"]["n"] == 1 and r["ratios"]["nvrx_default_over_hp"] > 0
     assert "fault -> step 7 on every rank" in out.stdout and "downtime (that - step time)" in out.stdout
     assert "median [min-max] (a smoke run: too few faults for a figure to quote)" in out.stdout
-    assert "NVRx (tuned intervals)" in out.stdout
+    assert "NVRx (default intervals)" in out.stdout
 
 
 def _event(t: float, event: str, rank: int, attempt: int, **fields) -> dict:

@@ -97,7 +97,9 @@ def test_bitflipped_persisted_shard_fails_verify_and_load_uses_the_memory_copy(s
 def test_newest_complete_step_wins_and_incomplete_steps_are_skipped(saved, tmp_path):
     node, cfg, _ = saved
     assert api.save(_state(6), 6, TieredConfig("job", daemon=node.addr))  # memory only
-    assert api.latest(cfg).step == 6 and api.latest(cfg).tiers == ("memory",)
+    # listed complete once the daemon has it all (a loaded fresh-clone run saw step 5 still newest just after)
+    wait_for(lambda: api.latest(cfg).step == 6, 30, "step 6 in the memory tier")
+    assert api.latest(cfg).tiers == ("memory",)
     # a persisted step without its commit marker (upload cut short) is never picked
     step9 = tmp_path / "persist" / "job" / fmt.step_dir(9)
     step9.mkdir(parents=True)
