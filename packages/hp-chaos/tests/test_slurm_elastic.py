@@ -79,10 +79,10 @@ def test_a_failed_base_node_is_replaced_and_the_job_never_stops(tmp_path, chaos_
     brief = {k: r.get(k) for k in ("error", "world_sizes", "marks", "units", "base_state", "grow_s", "events",
                                    "state_differences", "error_tail")}
     assert r["completed"], json.dumps(brief, indent=1)
-    # the base job starts the job at 2, or at 3 when a unit's node was up before its first step (seen in CI); the
-    # units may join together (2 -> 4)
+    # the unit nodes are free from the start: the base job starts the job at 2, at 3 when a unit's node was up
+    # before its first step, or at 4 when both were (each seen in CI); the units may join together (2 -> 4)
     turns = _turns(r["world_sizes"])
-    assert turns[0] in (2, 3) and turns[1:] == [4, 3, 4], brief
+    assert turns[:-3] in ([], [2], [3]) and turns[-3:] == [4, 3, 4], brief
     assert r["lost_steps"] == 0 and r["bitwise_equal"], brief
     shrink = next(e for e in r["events"] if e["to"] < e["from"])
     # told by the scheduler, not found out a heartbeat timeout (30 s) later
