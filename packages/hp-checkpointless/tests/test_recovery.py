@@ -160,7 +160,10 @@ def test_a_replaced_process_of_an_old_generation_is_fenced_out(job_env, tmp_path
     # 20+ s to import torch (at 150 steps the job had finished and the stale process waited for nothing)
     cfg = config(spares=1, steps=600)
     kill = [{"at_step": 2, "phase": "allreduce", "kind": "kill", "rank": 1}]
-    job = subprocess.Popen(job_command(cfg, str(log_dir)), env={**os.environ, **job_env, "HP_FAULTS": json.dumps(kill)},
+    # the stale process is given a worker's environment, read from /proc: a worker started cold has it there
+    # (a forked one's /proc environ is its fork server's: it sets the worker's in os.environ)
+    job = subprocess.Popen(job_command(cfg, str(log_dir), ["--start-method", "spawn"]),
+                           env={**os.environ, **job_env, "HP_FAULTS": json.dumps(kill)},
                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
         events = lambda: read_events(str(log_dir / "events"))  # noqa: E731

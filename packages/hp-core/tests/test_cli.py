@@ -43,6 +43,7 @@ def test_backends_table():
     (["run", "--nnodes", "2", "--node-rank", "2", "--rdzv-endpoint", "h:1", "x.py"], "--node-rank must be in [0, 2)"),
     (["run", "--nnodes", "2", "x.py"], "--rdzv-endpoint HOST:PORT with a fixed port is required"),
     (["run", "--spares", "-1", "x.py"], "--spares must be >= 0, got -1"),
+    (["run", "--start-method", "fork", "x.py"], "argument --start-method: invalid choice: 'fork'"),
     (["run"], "the following arguments are required: entrypoint"),
     # #13 findings 7-8: a run id becomes a directory name: never a path out of it, never a traceback
     (["run", "--run-id", "../../../some/dir", "x.py"], "--run-id must be 1-128 of [A-Za-z0-9_.-]"),

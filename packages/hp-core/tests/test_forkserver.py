@@ -1,17 +1,20 @@
-"""Replacement spares forked from the pre-imported server: they run the worker's command with the
-worker's environment and threads, their output lands in the worker's log files, and their exit is
-reported like any worker's."""
+"""Workers forked from the pre-imported server: they run the worker's command with the worker's
+environment and threads, their output lands where torch elastic's would (the log files with --tee, the
+agent's console without), their atexit handlers run, and their exit is reported like any worker's."""
 
 from __future__ import annotations
 
 import json
+import os
 import signal
 import time
 from pathlib import Path
 
+import pytest
 from torch.distributed.elastic.multiprocessing import Std
 
 from hp.core import forkserver
+from hp.core.testing import wait_for
 from hp.core.workers import python_command
 
 SCRIPT = """
@@ -79,3 +82,53 @@ def test_a_forked_worker_killed_or_stopped_reports_the_signal(tmp_path):
     w2 = _worker(tmp_path / "again", "wait")
     w2.stop(signal.SIGTERM, timeout_s=30)
     assert w2.poll().signal == "SIGTERM"
+
+
+# a worker script for `hp run`: its atexit handler must run, and it waits for the test's word to end
+JOB_SCRIPT = """
+import atexit, os, sys, time
+rank = os.environ["RANK"]
+atexit.register(lambda: print(f"atexit of rank {rank}", flush=True))
+print(f"rank {rank} started", flush=True)
+open(os.path.join(os.environ["HP_TEST_DIR"], f"started{rank}"), "w").close()
+deadline = time.monotonic() + 120
+while not os.path.exists(os.path.join(os.environ["HP_TEST_DIR"], "finish")):
+    assert time.monotonic() < deadline, "never told to finish"
+    time.sleep(0.05)
+"""
+
+
+def _forkserver_of(agent_pid: int) -> int:
+    """The agent's fork server: its child running multiprocessing's forkserver main."""
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                stat = (entry / "stat").read_text()
+                cmdline = (entry / "cmdline").read_bytes()
+            except OSError:
+                continue
+            if int(stat.rpartition(")")[2].split()[1]) == agent_pid and b"forkserver" in cmdline:
+                return int(entry.name)
+    raise AssertionError(f"agent {agent_pid} has no fork server")
+
+
+@pytest.mark.parametrize("start_method", ["forkserver", "spawn"])
+def test_workers_of_either_start_method_share_the_agent_s_console_and_run_atexit(launch, tmp_path, start_method):
+    """--tee 0: a worker's streams are the agent's (no log files), as torch elastic's are; a forked worker's
+    atexit handlers run like a cold one's. With the fork server, a SIGTERM sent to the server by someone
+    else (Slurm signals every process of a job step) neither kills it nor the workers it forked."""
+    script = tmp_path / "w.py"
+    script.write_text(JOB_SCRIPT)
+    job = launch("run", "--nproc-per-node", "2", "--tee", "0", "--start-method", start_method,
+                 "--log-dir", str(tmp_path / "logs"), str(script))
+    wait_for(lambda: all((tmp_path / f"started{r}").exists() for r in range(2)), what="2 workers to start")
+    if start_method == "forkserver":
+        server = _forkserver_of(job.proc.pid)
+        os.kill(server, signal.SIGTERM)
+        time.sleep(1)
+        assert Path(f"/proc/{server}").exists(), "the fork server died of a SIGTERM from outside its agent"
+    (tmp_path / "finish").touch()
+    assert job.wait() == 0, job.output
+    for rank in range(2):
+        assert f"rank {rank} started" in job.output and f"atexit of rank {rank}" in job.output, job.output
+        assert not (tmp_path / "logs" / f"rank{rank}" / "attempt_0" / "stdout.log").exists()

@@ -139,7 +139,10 @@ class Agent:
     def run(self) -> int:
         """Run this node's part of the job; returns the exit code for ``hp run``."""
         previous = {s: signal.signal(s, _raise_signal) for s in (signal.SIGTERM, signal.SIGINT)}
+        forked = self.cfg.start_method == "forkserver"
         try:
+            if forked:  # every worker is forked from it: torch is imported once, before this node joins
+                forkserver.warm(self._thread_env(), wait=True)
             client = self._connect()
             assignment = self._rendezvous(client)
             self._start_services(client, assignment)
@@ -149,8 +152,8 @@ class Agent:
                                                                        timedelta(seconds=RELAY_WAIT_S),
                                                                        job=self.cfg.run_id),
                                     self.token, self.cfg.node_rank, assignment.generation, log=say).start()
-            self._start_workers(assignment)
-            if (self.cfg.replenish_spares and self.cfg.spares) or self.cfg.scaling_policy is not None:
+            self._start_workers(assignment, forkserver.ForkedWorker if forked else Worker)
+            if not forked and ((self.cfg.replenish_spares and self.cfg.spares) or self.cfg.scaling_policy is not None):
                 # replacements (and, elastic, the new process of a rank the job shrank without) are
                 # forked from it: their imports are paid now, once
                 forkserver.warm(self._thread_env())
@@ -187,8 +190,8 @@ class Agent:
                 self._server.stop()
             if self._store:
                 self._store.close()  # after it, this node's relay read fails at once
-            if self._relay is not None:  # out of its store read before the interpreter exits (RELAY_WAIT_S)
-                self._relay.stop(timeout_s=RELAY_WAIT_S + 1.0)
+            if self._relay is not None:  # its thread may stay in a store read (RELAY_WAIT_S): hp run exits
+                self._relay.stop()      # without the interpreter's teardown (hp.core.commands), not waiting for it
             if self._replica is not None:
                 self._replica.stop()  # releases the lease if it leads: a standby takes over at once
             if self._forming is not None:
@@ -320,7 +323,7 @@ class Agent:
         say(f"node services started: {', '.join(self.cfg.services)}")
 
     # ---- workers ------------------------------------------------------------------------
-    def _start_workers(self, a: Assignment) -> None:
+    def _start_workers(self, a: Assignment, kind: type[Worker]) -> None:
         command = self._command = python_command(self.cfg.entrypoint, self.cfg.args, self.cfg.module)
         self._assignment = a
         os.makedirs(os.path.join(self.log_dir, "heartbeats"), exist_ok=True)
@@ -331,13 +334,13 @@ class Agent:
             for _ in range(self.cfg.nproc_per_node):
                 local_rank = self.devices.take()  # 0, 1, ... in order
                 rank = a.rank_offset + local_rank
-                self.workers.append(Worker(rank, local_rank, command, self.log_dir, tee, holder=worker_holder(rank, 0)))
+                self.workers.append(kind(rank, local_rank, command, self.log_dir, tee, holder=worker_holder(rank, 0)))
         else:
             say(f"node {self.cfg.node_rank} joins a running job: its {self.cfg.nproc_per_node} process(es) "
                 f"start as spares that the job grows into")
         for sid in a.spare_ids:
-            self.spares.append(Worker(-1, self.devices.take(), command, self.log_dir, tee, spare_id=sid,
-                                      holder=spare_holder(sid)))
+            self.spares.append(kind(-1, self.devices.take(), command, self.log_dir, tee, spare_id=sid,
+                                    holder=spare_holder(sid)))
         self._next_spare = 1 + max((int(s.rpartition("s")[2]) for s in a.spare_ids), default=self.cfg.spares - 1)
         for w in self.workers + self.spares:
             with _starting():

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
+import os
 import signal
+import sys
 import time
 
 from hp.core import auth
@@ -76,6 +79,9 @@ def _add_run(sub: argparse._SubParsersAction) -> None:
     a("--tee", type=int, default=3, help="streams echoed with a [rankN]: prefix: 0 none, 1 out, 2 err, 3 both")
     a("--spares", type=int, default=0,
       help="hot spare processes on this node, given a failed rank (scripts using hp.checkpointless)")
+    a("--start-method", choices=("forkserver", "spawn"), default="forkserver",
+      help="how workers and spares start: forked from one process per node that imported torch once "
+           "(default), or each a new interpreter through torch elastic, as torchrun starts them")
     a("--replenish-spares", action=argparse.BooleanOptionalAction, default=False,
       help="start a new spare each time one of this node's spares takes a rank (default off: the "
            "new process's start competes for CPU with the ranks replaying the failed step)")
@@ -106,7 +112,7 @@ def _run(args: argparse.Namespace) -> int:
         external_controller=args.external_controller, max_restarts=args.max_restarts,
         monitor_interval_s=args.monitor_interval, heartbeat_interval_s=args.heartbeat_interval,
         heartbeat_timeout_s=args.heartbeat_timeout, hang_timeout_s=args.hang_timeout, rdzv_timeout_s=args.rdzv_timeout,
-        log_dir=args.log_dir, tee=args.tee, spares=args.spares,
+        log_dir=args.log_dir, tee=args.tee, spares=args.spares, start_method=args.start_method,
         replenish_spares=args.replenish_spares, transport=args.transport, store=args.store,
         services=list(args.service),
     )
@@ -117,7 +123,19 @@ def _run(args: argparse.Namespace) -> int:
     token = read_token(args, required=cfg.nnodes > 1 or (cfg.max_nnodes or 1) > 1 or cfg.external_controller)
     from hp.core.agent import Agent  # imports torch: only once the arguments are known to be good
 
-    return Agent(cfg, token, scaler).run()
+    _exit_now(Agent(cfg, token, scaler).run())
+
+
+def _exit_now(code: int) -> None:
+    """End ``hp run``'s process once its node is done: ``atexit`` handlers run and the standard streams are
+    flushed, as at any exit, but the interpreter's teardown of torch's modules (~1 CPU s on the 2-core box)
+    is skipped, and so is the wait for the node relay's last store read (up to ``RELAY_WAIT_S``), whose
+    thread would otherwise have to leave its C++ call before that teardown. The agent writes nothing
+    buffered (every log line is opened, written and closed)."""
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _etcd_endpoint(text: str) -> str:

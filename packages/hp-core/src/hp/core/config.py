@@ -83,6 +83,9 @@ class RunConfig:
     log_dir: str | None = None
     tee: int = 3  # torch.distributed.elastic Std bitmask: 1 stdout, 2 stderr, 3 both
     spares: int = 0
+    # workers and spares forked from one pre-imported process per node, or each started cold by torch
+    # elastic ("spawn", as torchrun); replacement spares are always forked (hp.core.forkserver)
+    start_method: str = "forkserver"
     # start a new hot spare whenever one of this node's spares is given a rank (off by default: on
     # a small node the new process's start competes with the survivors replaying the failed step)
     replenish_spares: bool = False
@@ -118,6 +121,8 @@ class RunConfig:
             (self.heartbeat_timeout_s > self.heartbeat_interval_s > 0,
              "--heartbeat-timeout must exceed the heartbeat interval"),
             (self.tee in (0, 1, 2, 3), f"--tee must be 0, 1, 2 or 3, got {self.tee}"),
+            (self.start_method in ("forkserver", "spawn"),
+             f"--start-method must be forkserver or spawn, got {self.start_method!r}"),
             (self.spares >= 0, f"--spares must be >= 0, got {self.spares}"),
             (self.hang_timeout_s >= 0, f"--hang-timeout must be >= 0, got {self.hang_timeout_s}"),
             (bool(self.entrypoint), "a training script (or -m module) is required"),

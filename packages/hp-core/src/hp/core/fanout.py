@@ -61,9 +61,9 @@ if TYPE_CHECKING:
 
 FANOUT_ENV = "HP_FANOUT_SOCKET"  # set by the agent in each worker's environment: the channel's socket path
 # a relay's blocking read of the store is re-issued this often (one request each: at idle 0.5 request/s per
-# node). Short because an agent waits this long at most for its relay to leave a TCPStore read before it
-# exits: a daemon thread still inside torch's C++ read when the interpreter finalizes is killed mid-call
-# (std::terminate, exit -6: the fresh-clone run with the relay on every job, once node 0 closed its store)
+# node). A daemon thread still inside torch's C++ read when the interpreter finalizes is killed mid-call
+# (std::terminate, exit -6: the fresh-clone run with the relay on every job, once node 0 closed its store):
+# hp run ends without that teardown (hp.core.commands); a process that finalizes waits this long for it
 RELAY_WAIT_S = 2.0
 KEEP_PLANS = 4  # plans of older generations leave the channel (a 16k-rank plan is ~0.4 MB)
 FORGED_RETRY_S = 0.1  # a forged value at the key the relay waits for is read again this often
