@@ -62,7 +62,10 @@ def test_bench_goodput_against_a_fault_free_run_of_the_same_window(tmp_path):
     assert r["bitwise_equal"] is True and r["unmatched_steps"] == 0, {k: r[k] for k in ("unmatched_steps", "bitwise_equal_steps", "steps_committed", "steps_fault_free", "log_dir")}
     assert r["steps_after_last_fault"] >= 5 and r["bitwise_equal_steps"] >= r["steps_committed"]
     assert r["fault_free_step_s"]["n"] >= 3 and r["steps_fault_free"] > 0
-    assert 0 < r["goodput"] < 1  # two recoveries cost something
+    # the two recoveries took time (fault -> next commit); whether goodput charges it depends on the fault-free
+    # pace, measured after the faulted window: on a shared CI box that pace was once slower than the faulted
+    # run's (0.15 s against 0.10 s a step, the other test worker busy), and a faster aftermath costs nothing
+    assert 0 < r["goodput"] <= 1 and all(f["recovery_s"] > 0 for f in r["per_fault"]), r["per_fault"]
     assert r["lost_s"] == pytest.approx(sum(f["cost_s"] for f in r["per_fault"]))
     assert r["goodput"] == pytest.approx(1 - r["lost_s"] / r["duration_s"])
     assert "goodput" in out.stdout and "recoveries" in out.stdout
@@ -121,8 +124,10 @@ def test_a_replacement_spare_is_forked_ready_cheaply_and_promoted_as_ready(tmp_p
     (tmp_path / "cache").mkdir()
     logs, out_path = tmp_path / "logs", tmp_path / "hp_run.out"
     env = {**os.environ, "HP_DATA_CACHE_DIR": str(tmp_path / "cache"), "HP_TEST_DIR": str(tmp_path)}
+    # the first workers and spare start cold (spawn): the replacement, forked whatever the start method, is
+    # compared with a cold interpreter
     cmd = job_command(DemoConfig(nproc=2, spares=1, steps=10**6, corpus_mb=2, hang_timeout_s=20.0), str(logs),
-                      ["--replenish-spares"])
+                      ["--replenish-spares", "--start-method", "spawn"])
 
     def decisions() -> list[dict]:
         path = logs / "controller_decisions.jsonl"

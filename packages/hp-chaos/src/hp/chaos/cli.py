@@ -183,6 +183,8 @@ MODULE_BENCHES = {
                                                        "against the float all-reduce, one rank per core"),
     "step": ("hp.checkpointless.bench_step", "hp-checkpointless", "steady-state step time of hp's step transaction "
                                                                  "against plain DDP, same model and ranks, one rank per core"),
+    "start": ("hp.checkpointless.bench_start", "hp-checkpointless", "a node's start (to the first committed step) and "
+                                                                    "end, workers forked from one server vs started cold"),
     "hydrate": ("hp.checkpointless.bench_hydrate", "hp-checkpointless", "a hot spare's hydration on one node (shared "
                                                                         "memory, and over gloo) against a memcpy of the same bytes"),
 }

@@ -93,6 +93,9 @@ def _run(command: list[str], env: dict[str, str], stdout: str, stderr: str) -> N
     the stream the server inherited from the agent."""
     os.setsid()  # a session of its own, as elastic gives its workers: signals to the agent's group miss it
     _let_the_server_go()
+    # multiprocessing set this child's start method to the server's (forkserver): a script's DataLoader
+    # workers would then be forked by a server of their own that re-runs the script to find its __main__
+    multiprocessing.set_start_method(None, force=True)  # unset, as in a new interpreter
     for fd, path in ((1, stdout), (2, stderr)):
         if path:
             target = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
