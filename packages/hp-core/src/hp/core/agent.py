@@ -141,8 +141,8 @@ class Agent:
         previous = {s: signal.signal(s, _raise_signal) for s in (signal.SIGTERM, signal.SIGINT)}
         forked = self.cfg.start_method == "forkserver"
         try:
-            if forked:  # every worker is forked from it: torch is imported once, before this node joins
-                forkserver.warm(self._thread_env(), wait=True)
+            if forked:  # every worker is forked from it: torch is imported once, before this node joins (hp run
+                forkserver.warm(self.cfg.worker_thread_env(), wait=True)  # started it: hp.core.commands)
             client = self._connect()
             assignment = self._rendezvous(client)
             self._start_services(client, assignment)
@@ -156,7 +156,7 @@ class Agent:
             if not forked and ((self.cfg.replenish_spares and self.cfg.spares) or self.cfg.scaling_policy is not None):
                 # replacements (and, elastic, the new process of a rank the job shrank without) are
                 # forked from it: their imports are paid now, once
-                forkserver.warm(self._thread_env())
+                forkserver.warm(self.cfg.worker_thread_env())
             return self._monitor(client)
         except SignalException as e:
             if self.cfg.scaling_policy is not None and self._client is not None:
@@ -350,7 +350,7 @@ class Agent:
         a = self._assignment
         env = {k: v for k, v in self.transport.env_defaults().items() if k not in os.environ}
         env.update(self.services.worker_env())
-        env.update(self._thread_env())
+        env.update(self.cfg.worker_thread_env())
         env["LOCAL_RANK"] = str(w.local_rank)  # its device, a spare's too: it keeps it when promoted
         if w.spare_id is None:
             env.update({"RANK": str(w.rank), "ROLE_RANK": str(w.rank), "HP_ROLE": "worker"})
@@ -385,11 +385,6 @@ class Agent:
         if self.cfg.scaling_policy is not None:
             env[SCALING_POLICY_ENV] = os.path.abspath(self.cfg.scaling_policy)
         return env
-
-    def _thread_env(self) -> dict[str, str]:
-        if self.cfg.nproc_per_node > 1 and "OMP_NUM_THREADS" not in os.environ:
-            return {"OMP_NUM_THREADS": "1"}  # as torchrun: N ranks on one host must not oversubscribe
-        return {}
 
     def _client_endpoint(self) -> str:
         if self._client is not None and self.cfg.ha:

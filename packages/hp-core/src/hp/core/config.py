@@ -109,6 +109,12 @@ class RunConfig:
     # the node's relay of generations to its workers (hp.core.fanout); off: each worker polls the store
     node_relay: bool = True
 
+    def worker_thread_env(self) -> dict[str, str]:
+        """What the workers' environment adds for threads (the fork server's too: hp.core.fork_context)."""
+        if self.nproc_per_node > 1 and "OMP_NUM_THREADS" not in os.environ:
+            return {"OMP_NUM_THREADS": "1"}  # as torchrun: N ranks on one host must not oversubscribe
+        return {}
+
     def validate(self) -> None:
         check_name(self.run_id, "--run-id")
         checks = [

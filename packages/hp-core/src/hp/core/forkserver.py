@@ -35,44 +35,14 @@ import signal
 import sys
 from dataclasses import dataclass, field
 from typing import Any
-from unittest.mock import patch
 
 from torch.distributed.elastic.multiprocessing import Std
 from torch.distributed.elastic.multiprocessing.tail_log import TailLog
 
 from hp.core import worker_main
+from hp.core.fork_context import context as _context
+from hp.core.fork_context import warm  # noqa: F401  (hp.core.forkserver.warm: the agent's and the tests')
 from hp.core.workers import ExitStatus, Worker, exit_status
-
-PRELOAD = ["hp.core.fork_preload"]
-
-
-def _context() -> Any:
-    ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(PRELOAD)
-    return ctx
-
-
-def warm(env: dict[str, str], wait: bool = False) -> None:
-    """Start the fork server and its imports now, at job start, rather than on the first fork; with
-    ``wait``, return once they are done (a first fork would otherwise block that long: an agent that has
-    joined its job must not go that long without a heartbeat).
-
-    ``env`` is what the workers get on top of the agent's environment. The server is started with
-    it because some of it is read once, at import: OpenMP sizes its thread pool from
-    ``OMP_NUM_THREADS`` when torch loads it, so a server started without the workers' ``1`` would
-    fork spares that each run as many threads as the host has cores (measured: every step of the
-    job slowed 4x once such a spare held a rank)."""
-    from multiprocessing import forkserver
-
-    _context()
-    with patch.dict(os.environ, env):  # the server inherits the workers' environment, this process keeps its own
-        forkserver.ensure_running()
-    if wait:  # the server accepts a fork request once its imports are done
-        probe = _context().Process(target=int, name="hp-forkserver-ready")
-        probe.start()
-        probe.join()
-        probe.close()
-
 
 def _let_the_server_go() -> None:
     """Close this child's copy of the agent's end of the server's lifeline pipe. multiprocessing hands it to
