@@ -41,6 +41,8 @@ SUITE: dict[str, tuple[list[str], list[str]]] = {
                   "--corpus-mb", "1"]),
     # hp-checkpointless's: a spare's hydration on one node (shared memory, gloo) against a memcpy
     "hydrate": ([], ["--model-size", "tiny", "--vocab", "256", "--repeats", "1"]),
+    # hp-checkpointless's: a node's start and end, workers forked from one server vs started cold
+    "start": (["--repeats", "5"], ["--repeats", "1", "--steps", "3"]),
     "init": ([], ["--ranks", "2,4", "--repeats", "1"]),  # hp-core's: rootless vs TCPStore process-group init
     # hp-core's: what learning about generations costs the store, per-rank polling vs the node relay
     "control": ([], ["--sizes", "16,32", "--processes", "2", "--repeats", "1", "--changes", "2", "--idle", "1"]),
