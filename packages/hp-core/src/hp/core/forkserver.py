@@ -6,8 +6,7 @@ exit. A node's ranks and spares all pay it at once, and a replacement pays it wh
 keep every core busy (at one fault per 30 s, ~8 % of the machine: more than the whole goodput budget).
 The standard library's ``multiprocessing`` forkserver, preloaded once per node with those modules
 (:mod:`hp.core.fork_preload`), forks a child that already has them; each worker then pays only its
-script's own start (model, data). Measured: a 4-rank job with a spare, 10 tiny steps, 25 s -> see the
-closing note of the change; the CPU the workers spend starting and ending drops by the imports.
+script's own start (model, data). ``hp bench start`` measures a node's start and end either way.
 
 ``hp run --start-method forkserver`` (the default) starts every worker and spare this way;
 ``--start-method spawn`` starts the first ones with torch elastic (:mod:`hp.core.workers`), as torchrun
@@ -43,6 +42,7 @@ from hp.core import worker_main
 from hp.core.fork_context import context as _context
 from hp.core.fork_context import warm  # noqa: F401  (hp.core.forkserver.warm: the agent's and the tests')
 from hp.core.workers import ExitStatus, Worker, exit_status
+
 
 def _let_the_server_go() -> None:
     """Close this child's copy of the agent's end of the server's lifeline pipe. multiprocessing hands it to
