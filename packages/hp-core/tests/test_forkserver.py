@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from torch.distributed.elastic.multiprocessing import Std
 
-from hp.core import forkserver
+from hp.core import fork_context, forkserver
 from hp.core.testing import wait_for
 from hp.core.workers import python_command
 
@@ -53,7 +53,7 @@ def _stdout(tmp_path: Path) -> dict:
 
 
 def test_a_forked_worker_runs_the_command_with_the_worker_env_and_one_thread(tmp_path):
-    forkserver.warm({"OMP_NUM_THREADS": "1"})
+    fork_context.warm({"OMP_NUM_THREADS": "1"})
     w = _worker(tmp_path, "ok")
     status = _wait_exit(w)
     assert status.ok and status.pid == w.pid

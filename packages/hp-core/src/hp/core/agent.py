@@ -30,7 +30,7 @@ from datetime import timedelta
 from torch.distributed.elastic.multiprocessing import Std
 from torch.distributed.elastic.multiprocessing.api import SignalException
 
-from hp.core import auth, forkserver, health
+from hp.core import auth, fork_context, forkserver, health
 from hp.core.config import RunConfig
 from hp.core.control_plane import ControlClient, ControlServer
 from hp.core.devices import DeviceSlots
@@ -142,7 +142,7 @@ class Agent:
         forked = self.cfg.start_method == "forkserver"
         try:
             if forked:  # every worker is forked from it: torch is imported once, before this node joins (hp run
-                forkserver.warm(self.cfg.worker_thread_env(), wait=True)  # started it: hp.core.commands)
+                fork_context.warm(self.cfg.worker_thread_env(), wait=True)  # started it: hp.core.commands)
             client = self._connect()
             assignment = self._rendezvous(client)
             self._start_services(client, assignment)
@@ -156,7 +156,7 @@ class Agent:
             if not forked and ((self.cfg.replenish_spares and self.cfg.spares) or self.cfg.scaling_policy is not None):
                 # replacements (and, elastic, the new process of a rank the job shrank without) are
                 # forked from it: their imports are paid now, once
-                forkserver.warm(self.cfg.worker_thread_env())
+                fork_context.warm(self.cfg.worker_thread_env())
             return self._monitor(client)
         except SignalException as e:
             if self.cfg.scaling_policy is not None and self._client is not None:

@@ -40,7 +40,6 @@ from torch.distributed.elastic.multiprocessing.tail_log import TailLog
 
 from hp.core import worker_main
 from hp.core.fork_context import context as _context
-from hp.core.fork_context import warm  # noqa: F401  (hp.core.forkserver.warm: the agent's and the tests')
 from hp.core.workers import ExitStatus, Worker, exit_status
 
 
