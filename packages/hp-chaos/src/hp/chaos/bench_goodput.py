@@ -153,15 +153,20 @@ def goodput(costs: list[float], duration_s: float) -> float:
 
 
 def _fault_free(cfg: GoodputConfig, root: str, env: dict[str, str], last_step: int) -> tuple[_Job, float]:
-    _log(f"fault-free: {cfg.duration_s:g} s, then on to step {last_step} (the faulted run's last)")
+    """The reference run: the window, then on until every rank has recorded the faulted run's last
+    step. That is when one rank committed the step after it (whose vote every rank joined after
+    recording its own commit of ``last_step``); stopped at the first rank's record of ``last_step``,
+    the others' local losses of it could be missing (seen: a step the faulted run had rank 0's loss
+    for and the reference did not, counted as differing)."""
+    _log(f"fault-free: {cfg.duration_s:g} s, then on to step {last_step + 1} (the faulted run's last + 1)")
     job = _Job(cfg, os.path.join(root, "fault-free"), env)
     try:
         t0 = job.first_commit(600)
         time.sleep(max(0.0, t0 + cfg.duration_s - time.time()))
         deadline = time.monotonic() + REFERENCE_TIMEOUT_S
-        while max(RunResult(0, 0.0, job.events(), "").losses(), default=-1) < last_step:
+        while max(RunResult(0, 0.0, job.events(), "").losses(), default=-1) <= last_step:
             if job.proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"the fault-free job did not reach step {last_step} (exit {job.proc.poll()})"
+                raise RuntimeError(f"the fault-free job did not reach step {last_step + 1} (exit {job.proc.poll()})"
                                    f":\n{job.output()[-2000:]}")
             time.sleep(0.5)  # past the window: each look reads every rank's events
         if job.stop() is not None:

@@ -294,6 +294,7 @@ class Context:
         self._step_samples = sampler.samples_at(world)
         self._owned = sampler.owned(int(step), self.rank, world)
         for m, batch in zip(self._owned, loader.step(int(step), self.rank, world, self._training.samples)):
+            self._check_interrupt("before a micro-batch")
             torch.manual_seed(micro_batch_seed(sampler.seed, int(step), m))
             yield batch
             self._tx.micro_batch_done(m)
@@ -304,6 +305,7 @@ class Context:
         ``commit`` reduces when this was not called."""
         if self._step is None or self._machine.state is not RankState.COMPUTING:
             raise UsageError("ctx.reduce() is called once per step, inside `with step:`, before ctx.commit(loss)")
+        self._check_interrupt("before the reduction")
         self._machine.to(RankState.COMMITTING)  # from here on a failure surfaces in a collective, never midway
         if not self._reduction_fired:
             self._phase(self._step, "allreduce")
@@ -464,8 +466,7 @@ class Context:
         is raised only between Python bytecodes: without these points a survivor that is in backward
         when a peer dies finishes it first (measured: 1.75 s of a 25 M-param model's recovery). It is
         also where an overlapping reduction starts a bucket (:meth:`StepTransaction.gradient_ready`)."""
-        if self._machine.take_interrupt():
-            raise CollectiveError(f"{self._machine.superseded()} during backward")
+        self._check_interrupt("during backward")
         if self._step is not None and self._machine.state is RankState.COMPUTING:
             self._tx.gradient_ready(index)
 
@@ -473,8 +474,7 @@ class Context:
         """Every collective on the device mesh (FSDP's all-gathers and reductions, DTensor's): a step
         whose generation is dead stops here, and the step's gradient reduction starts at its first
         reduce-scatter (the "allreduce" fault phase)."""
-        if self._machine.take_interrupt():
-            raise CollectiveError(f"{self._machine.superseded()} during the step")
+        self._check_interrupt("during the step")
         if (not self._reduction_fired and op in REDUCTIONS and self._step is not None
                 and self._machine.state is RankState.COMPUTING):
             self._reduction_fired = True
@@ -502,9 +502,19 @@ class Context:
         print(f"hp: rank {self._formation.rank}: warning: {message}; ignored", file=sys.stderr, flush=True)
 
     def _interrupt(self, signum: int, frame: Any) -> None:
-        """Main thread, between two Python bytecodes of the user's step (torch ops run to the end)."""
+        """Main thread, between two Python bytecodes (torch ops run to the end). Raises only inside the
+        user's ``with step:`` block, which is what recovers from it: a signal that lands in hp's own code
+        around the block (the ``ctx.steps()`` generator preparing a step, ``Step.__enter__``/``__exit__``)
+        is left to the step's next check point (a collective, a gradient, a micro-batch, ``ctx.reduce``);
+        raised there, it would leave the user's loop and end the rank (seen: an HSDP rank interrupted
+        while ``ctx.steps()`` cleared its gradients)."""
+        if not outside_step_block(frame):
+            self._check_interrupt("during the step")
+
+    def _check_interrupt(self, where: str) -> None:
+        """A check point inside the user's step: stop it if its generation is dead (at most once a step)."""
         if self._machine.take_interrupt():
-            raise CollectiveError(f"{self._machine.superseded()} during the step")
+            raise CollectiveError(f"{self._machine.superseded()} {where}")
 
     def _orphaned(self) -> None:
         """The agent that started this process is gone (SIGKILLed with its node's controller, say): seen
@@ -536,6 +546,20 @@ def _drop_frames(exc: BaseException) -> None:
         seen.add(id(exc))
         traceback.clear_frames(exc.__traceback__)
         exc = exc.__context__ or exc.__cause__
+
+
+def outside_step_block(frame: Any) -> bool:
+    """Whether ``frame`` (where a signal handler runs) is hp's code around the user's ``with step:``
+    block, or code it called: the ``ctx.steps()`` generator, ``Step.__enter__``, ``Step.__exit__``. The
+    user's block itself is outside them all (the generator is suspended at its ``yield`` then)."""
+    while frame is not None:
+        if frame.f_code in _AROUND_THE_BLOCK:
+            return True
+        frame = frame.f_back
+    return False
+
+
+_AROUND_THE_BLOCK = frozenset({Step.__enter__.__code__, Step.__exit__.__code__, Context.steps.__code__})
 
 
 def _number(value: Any) -> float:
