@@ -249,6 +249,9 @@ def test_declared_dependencies_match_real_imports(dist: str) -> None:
 # prints its help. torch is installed once, into a directory every venv sees through a ``.pth`` file (a
 # CPU wheel is ~700 MB: once per venv would cost minutes); pip counts it as installed, so a requirement on
 # torch installs nothing more. Everything else comes from the index, as a user's install would.
+# The venvs have no pip of their own: this interpreter's pip installs into them (``pip --python``), and no
+# install byte-compiles (``--no-compile``: Python compiles what it imports). Measured for hp-chaos: a
+# venv 11.4 s -> 0.1 s, its third-party requirements 80 s -> 17 s, torch 37 s -> 11 s.
 
 PIP_ENV = {**os.environ, "PIP_DISABLE_PIP_VERSION_CHECK": "1"}
 TORCH = os.environ.get("HP_TORCH", "torch==2.13.0")  # as scripts/setup.sh
@@ -275,7 +278,7 @@ def wheels(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def torch_dir(tmp_path_factory) -> Path:
     target = tmp_path_factory.mktemp("torch")
-    _run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--target", str(target), TORCH])
+    _run([sys.executable, "-m", "pip", "install", "-q", "--no-compile", "--no-deps", "--target", str(target), TORCH])
     return target
 
 
@@ -321,13 +324,14 @@ def test_each_distribution_installs_alone_imports_and_every_command_prints_help(
             (todo if req_name(req).startswith("hp-") else third_party).append(req_name(req) if
                                                                               req_name(req).startswith("hp-") else req)
     venv = tmp_path / "venv"
-    _run([sys.executable, "-m", "venv", str(venv)])
+    _run([sys.executable, "-m", "venv", "--without-pip", str(venv)])
     py = venv / "bin" / "python"
+    pip = [sys.executable, "-m", "pip", "--python", str(py)]
     site = Path(_run([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"]).stdout.strip())
     (site / "hp_test_torch.pth").write_text(str(torch_dir) + "\n")
-    _run([str(py), "-m", "pip", "install", "-q", "--no-deps", *[str(by_name[n]) for n in sorted(closure)]])
-    _run([str(py), "-m", "pip", "install", "-q", *sorted(set(third_party))])  # torch: already there
-    installed = _run([str(py), "-m", "pip", "list", "--format=freeze"]).stdout
+    _run([*pip, "install", "-q", "--no-compile", "--no-deps", *[str(by_name[n]) for n in sorted(closure)]])
+    _run([*pip, "install", "-q", "--no-compile", *sorted(set(third_party))])  # torch: already there
+    installed = _run([*pip, "list", "--format=freeze"]).stdout
     hp_installed = sorted(req_name(line.split("==")[0]) for line in installed.splitlines()
                           if req_name(line.split("==")[0]).startswith("hp-"))
     assert hp_installed == sorted(closure), f"{dist} alone brought {hp_installed}"
