@@ -9,7 +9,7 @@ import sys
 
 import pytest
 from hp.checkpointless.recovery import CollectiveError, RankState, RecoveryMachine
-from hp.checkpointless.runtime import Context, Step, outside_step_block
+from hp.checkpointless.runtime import Context, Step, at_block_edge
 
 
 class Stop(Exception):
@@ -28,6 +28,7 @@ class Probe:
         self._machine.to(RankState.COMPUTING)
         assert self._machine.observe(2)
         self.raised: list[str] = []
+        self._in_block = False
         # what Context.steps() reads before its first step
         self._training, self._tx, self._start_generation = object(), None, 1
         self._formation = self
@@ -39,8 +40,11 @@ class Probe:
         except CollectiveError as exc:
             self.raised.append(str(exc))
 
+    _enter_step = Context._enter_step
+
     def _end_step(self, step: Step, exc: BaseException | None) -> bool:  # called by Step.__exit__
-        self.signal_here()
+        self.signal_here()  # as if the signal came before Context._end_step left the block
+        self._in_block = False
         return True
 
     def join(self, *_args) -> None:  # Formation.join, called by Context.steps()
@@ -54,10 +58,20 @@ def users_code(probe: Probe) -> None:
 
 def test_the_users_step_is_interrupted_once():
     probe = Probe()
-    users_code(probe)
-    users_code(probe)
+    with Step(3, probe):
+        users_code(probe)
+        users_code(probe)
     assert probe.raised == ["generation 1 superseded by 2 during the step"]
     assert probe._machine.state is RankState.RECOVERING
+
+
+def test_the_users_code_before_or_after_the_block_is_not_interrupted():
+    probe = Probe()
+    users_code(probe)  # `for step in ctx.steps(n):` then code before `with step:`
+    with Step(3, probe):
+        pass
+    users_code(probe)  # after the block (its __exit__ left the step to the next check point)
+    assert probe.raised == [] and probe._machine.state is RankState.COMPUTING
 
 
 def test_inside_step_exit_the_interrupt_waits_for_the_next_check_point():
@@ -81,10 +95,11 @@ def test_inside_the_steps_generator_nothing_is_raised():
     with pytest.raises(Stop):
         next(Context.steps(probe, 5))
     assert probe.raised == [] and probe._machine.state is RankState.COMPUTING
-    users_code(probe)
+    with Step(0, probe):
+        users_code(probe)
     assert len(probe.raised) == 1
 
 
 def test_the_frame_walk_sees_callers_not_just_the_current_frame():
-    assert outside_step_block(None) is False
-    assert outside_step_block(sys._getframe()) is False
+    assert at_block_edge(None) is False
+    assert at_block_edge(sys._getframe()) is False

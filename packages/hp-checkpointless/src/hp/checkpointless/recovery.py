@@ -11,8 +11,9 @@ state                   meaning (and what a failure in it does)
 ``FORMING``             joining generation g: store barrier, group init, agreement on the newest committed
                         step, hydration of the ranks behind it. Failure: re-form with generation g+1
 ``COMPUTING``           the user's code of a step runs (forward, backward, data). The only interruptible
-                        state: a newer generation stops the step at once (signal or gradient hook).
-                        Failure: the step is replayed with the same batch
+                        state: a newer generation stops the step at once (signal or gradient hook; the
+                        signal raises only inside ``with step:``, elsewhere the step's next check point
+                        takes it). Failure: the step is replayed with the same batch
 ``COMMITTING``          hp's collectives of the step (gradient reduction, buffer broadcast, vote); never
                         interrupted midway, a dead peer surfaces as a collective error. Failure: replay
 ``FINISHING``           the vote passed: local optimizer update, scheduler, then post-commit replication.

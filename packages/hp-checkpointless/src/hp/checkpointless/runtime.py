@@ -71,6 +71,7 @@ class Step(int):
         return obj
 
     def __enter__(self) -> Step:
+        self._ctx._enter_step()
         return self
 
     def __exit__(self, exc_type, exc, tb) -> bool:
@@ -129,6 +130,7 @@ class Context:
         self._tx: StepTransaction | None = None
         self._step: Step | None = None
         self._step_done = False
+        self._in_block = False  # the main thread is inside a `with step:` block (between __enter__ and __exit__)
         self._owned: list[int] = []  # the micro-batches this rank computes in the current step
         self._step_samples = 0  # samples the current step consumes (all ranks), when split in micro-batches
         self._reform_due = False  # the last vote said: re-form (a planned generation) before the next step
@@ -390,7 +392,11 @@ class Context:
         self._faults.fire(int(step), phase, rank, lambda f: self.events.record(
             Event.FAULT_INJECTED, kind=f.kind, phase=phase, step=int(step), rank=rank))
 
+    def _enter_step(self) -> None:
+        self._in_block = True  # the watch thread's interrupt may raise from here on (_interrupt)
+
     def _end_step(self, step: Step, exc: BaseException | None) -> bool:
+        self._in_block = False
         if exc is None or not isinstance(exc, Exception) or isinstance(exc, (UsageError, JobEnded)):
             return False
         self._recover(step, exc)
@@ -503,12 +509,12 @@ class Context:
 
     def _interrupt(self, signum: int, frame: Any) -> None:
         """Main thread, between two Python bytecodes (torch ops run to the end). Raises only inside the
-        user's ``with step:`` block, which is what recovers from it: a signal that lands in hp's own code
-        around the block (the ``ctx.steps()`` generator preparing a step, ``Step.__enter__``/``__exit__``)
-        is left to the step's next check point (a collective, a gradient, a micro-batch, ``ctx.reduce``);
-        raised there, it would leave the user's loop and end the rank (seen: an HSDP rank interrupted
-        while ``ctx.steps()`` cleared its gradients)."""
-        if not outside_step_block(frame):
+        user's ``with step:`` block, which is what recovers from it: a signal that lands outside it (the
+        ``ctx.steps()`` generator preparing a step, ``Step.__enter__``/``__exit__``, the user's own code
+        before or after the block) is left to the step's next check point (a collective, a gradient, a
+        micro-batch, ``ctx.reduce``); raised there, it would leave the user's loop and end the rank (seen:
+        an HSDP rank interrupted while ``ctx.steps()`` cleared its gradients)."""
+        if self._in_block and not at_block_edge(frame):
             self._check_interrupt("during the step")
 
     def _check_interrupt(self, where: str) -> None:
@@ -548,18 +554,18 @@ def _drop_frames(exc: BaseException) -> None:
         exc = exc.__context__ or exc.__cause__
 
 
-def outside_step_block(frame: Any) -> bool:
-    """Whether ``frame`` (where a signal handler runs) is hp's code around the user's ``with step:``
-    block, or code it called: the ``ctx.steps()`` generator, ``Step.__enter__``, ``Step.__exit__``. The
-    user's block itself is outside them all (the generator is suspended at its ``yield`` then)."""
+def at_block_edge(frame: Any) -> bool:
+    """Whether ``frame`` (where a signal handler runs) is in ``Step.__enter__`` or ``Step.__exit__``, or
+    code they called: the edges of a ``with step:`` block, where :attr:`Context._in_block` does not yet
+    (or still) say where the main thread is."""
     while frame is not None:
-        if frame.f_code in _AROUND_THE_BLOCK:
+        if frame.f_code in _BLOCK_EDGES:
             return True
         frame = frame.f_back
     return False
 
 
-_AROUND_THE_BLOCK = frozenset({Step.__enter__.__code__, Step.__exit__.__code__, Context.steps.__code__})
+_BLOCK_EDGES = frozenset({Step.__enter__.__code__, Step.__exit__.__code__})
 
 
 def _number(value: Any) -> float:
