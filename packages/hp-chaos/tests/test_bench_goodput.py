@@ -14,7 +14,7 @@ import pytest
 from hp.chaos.bench_goodput import charge, goodput
 from hp.checkpointless.demo.run import DemoConfig, RunResult, job_command
 from hp.checkpointless.events import read_events
-from hp.core.testing import HP, kill_tagged
+from hp.core.testing import HP, kill_tagged, tagged_pids, wait_for
 
 
 def test_replenished_spares_take_two_successive_kills_with_one_spare(tmp_path):
@@ -97,6 +97,32 @@ def test_goodput_is_in_zero_one_whatever_the_steps_and_faults():
     f = [{"t": 5.0, "until": 6.0, "recovery_s": 0.01}]
     charge(f, [5.0 + 0.05 * i for i in range(0, 21)], 0.1, 0.0)
     assert f[0]["cost_s"] == 0.0 and goodput([f[0]["cost_s"]], 10.0) == 1.0
+
+
+def test_a_bench_stopped_by_sigterm_stops_its_job(tmp_path):
+    """`hp bench goodput` runs its jobs in sessions of their own: SIGTERM to the bench (a CI timeout,
+    `timeout`) must end them too, not leave them training unsupervised (hp.core.cli: SIGTERM ends any
+    `hp` command the way Ctrl-C does, through its `finally` blocks)."""
+    (tmp_path / "cache").mkdir()
+    tag = f"HP_TEST_DIR={tmp_path}"
+    env = {**os.environ, "HP_DATA_CACHE_DIR": str(tmp_path / "cache"), "HP_TEST_DIR": str(tmp_path)}
+    bench = subprocess.Popen([*HP, "bench", "goodput", "--duration", "600", "--nproc", "2", "--spares", "1",
+                              "--corpus-mb", "2", "--log-dir", str(tmp_path / "logs")],
+                             env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        wait_for(lambda: bench.poll() is not None or any(
+            e["event"] == "commit" for e in read_events(str(tmp_path / "logs" / "faulted" / "events"))),
+            180, "the faulted job's first commit")
+        assert bench.poll() is None, bench.stderr.read()[-2000:]
+        job = [p for p in tagged_pids(tag) if p != bench.pid]
+        assert len(job) >= 4, job  # the agent, its 2 ranks and its spare (and the fork server)
+        bench.send_signal(signal.SIGTERM)
+        assert bench.wait(timeout=60) == 128 + signal.SIGTERM
+        wait_for(lambda: not tagged_pids(tag), 30, "the job's processes to exit")
+    finally:
+        if bench.poll() is None:
+            bench.kill()
+        kill_tagged(tag)
 
 
 def test_bench_goodput_bad_input_is_a_one_line_error(tmp_path):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
 import sys
 
 from hp.core.errors import HpError, UsageError
@@ -52,7 +53,18 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _terminated(signum: int, _frame) -> None:
+    raise SystemExit(128 + signum)
+
+
 def main(argv: list[str] | None = None) -> int:
+    # SIGTERM (a CI timeout, `timeout`, `kill`) ends a command the way Ctrl-C does: its `finally` blocks run.
+    # Benchmarks, chaos runs and `hp demo` start jobs in sessions of their own; killed outright they left
+    # those jobs training, unsupervised, for good (seen: a killed `hp bench goodput` left its 2-rank job
+    # holding a core for 90 min). A command that handles SIGTERM itself (`hp run`, `hp controller`) still
+    # installs its own handler.
+    if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+        signal.signal(signal.SIGTERM, _terminated)
     try:
         parser = build_parser()
         args = parser.parse_args(argv)
