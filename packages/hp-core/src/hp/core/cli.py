@@ -6,6 +6,7 @@ import argparse
 import logging
 import signal
 import sys
+import threading
 
 from hp.core.errors import HpError, UsageError
 from hp.core.plugins import get_plugin_manager
@@ -62,8 +63,9 @@ def main(argv: list[str] | None = None) -> int:
     # Benchmarks, chaos runs and `hp demo` start jobs in sessions of their own; killed outright they left
     # those jobs training, unsupervised, for good (seen: a killed `hp bench goodput` left its 2-rank job
     # holding a core for 90 min). A command that handles SIGTERM itself (`hp run`, `hp controller`) still
-    # installs its own handler.
-    if signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
+    # installs its own handler. Only as a program (``argv`` None): an in-process caller keeps its signals.
+    if argv is None and threading.current_thread() is threading.main_thread() and \
+            signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
         signal.signal(signal.SIGTERM, _terminated)
     try:
         parser = build_parser()
