@@ -152,14 +152,32 @@ def test_without_spare_or_restart_the_job_stops_with_a_clear_error(job_env, tmp_
     assert "job failed: rank 1" in result.output and "restarts exhausted (0/0)" in result.output
 
 
+# the stale process: torch and the demo imported first (20+ s on a loaded 2-core box), then it waits for the
+# environment to claim rank 1 with, so that it arrives within a second of the recovery, while the job still runs
+STALE = """
+import json, os, sys, time
+from pathlib import Path
+import hp.checkpointless.demo.train as train
+env = Path(sys.argv[1])
+while not env.exists():
+    time.sleep(0.05)
+os.environ.clear()
+os.environ.update(json.loads(env.read_text()))
+sys.argv = ["train", *sys.argv[2:]]
+train.main()
+"""
+
+
 def test_a_replaced_process_of_an_old_generation_is_fenced_out(job_env, tmp_path):
     """A process that still believes it holds rank 1 of generation 1 (as after a partition) tries
     to rejoin after a spare took rank 1: it must exit, and the job must not notice."""
-    log_dir = tmp_path / "logs"
-    # long enough to still run when the stale process arrives, which on a loaded 2-core machine takes
-    # 20+ s to import torch (at 150 steps the job had finished and the stale process waited for nothing)
-    cfg = config(spares=1, steps=600)
+    log_dir, steps = tmp_path / "logs", 200
+    cfg = config(spares=1, steps=steps)
     kill = [{"at_step": 2, "phase": "allreduce", "kind": "kill", "rank": 1}]
+    env_file = tmp_path / "stale-env.json"
+    stale = subprocess.Popen([sys.executable, "-c", STALE, str(env_file), "--steps", str(steps), "--corpus-mb", "2"],
+                             env={**os.environ, **job_env}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                             start_new_session=True)
     # the stale process is given a worker's environment, read from /proc: a worker started cold has it there
     # (a forked one's /proc environ is its fork server's: it sets the worker's in os.environ)
     job = subprocess.Popen(job_command(cfg, str(log_dir), ["--start-method", "spawn"]),
@@ -169,19 +187,21 @@ def test_a_replaced_process_of_an_old_generation_is_fenced_out(job_env, tmp_path
         events = lambda: read_events(str(log_dir / "events"))  # noqa: E731
         wait_for(lambda: any(e["event"] == "resumed" and e["generation"] == 2 for e in events()), 120, "recovery")
         rank2 = next(e["pid"] for e in events() if e["event"] == "pg_ready" and e["rank"] == 2)
-        stale = dict(x.split("=", 1) for x in Path(f"/proc/{rank2}/environ").read_text().split("\0") if "=" in x)
-        stale.update({"RANK": "1", "LOCAL_RANK": "1", "HP_HOLDER": "r1.0", "HP_GENERATION": "1", "HP_FAULTS": "",
+        claim = dict(x.split("=", 1) for x in Path(f"/proc/{rank2}/environ").read_text().split("\0") if "=" in x)
+        claim.update({"RANK": "1", "LOCAL_RANK": "1", "HP_HOLDER": "r1.0", "HP_GENERATION": "1", "HP_FAULTS": "",
                       "HP_HEARTBEAT_FILE": "", "HP_LOG_DIR": str(tmp_path / "stale")})
-        out = subprocess.run([sys.executable, "-m", "hp.checkpointless.demo.train", "--steps", "600",
-                              "--corpus-mb", "2"], env=stale, capture_output=True, text=True, timeout=120)
-        assert out.returncode != 0
-        assert re.search(r"fenced out: rank 1 of generation \d+ is held by 'spare.n0s0'", out.stderr), out.stderr[-3000:]
+        env_file.write_text(json.dumps(claim))
+        _, err = stale.communicate(timeout=120)
+        assert stale.returncode != 0
+        assert re.search(r"fenced out: rank 1 of generation \d+ is held by 'spare.n0s0'", err), err[-3000:]
+        assert job.poll() is None, "the job ended before the stale process arrived: the test proved nothing"
         assert job.wait(timeout=240) == 0
     finally:
-        if job.poll() is None:
-            job.kill()
+        for p in (job, stale):
+            if p.poll() is None:
+                p.kill()
     result = RunResult(0, 0.0, read_events(str(log_dir / "events")), "")
-    assert sorted(result.losses()) == list(range(600))
+    assert sorted(result.losses()) == list(range(steps))
     assert all(len(v) == 1 for v in result.losses().values())  # nothing committed twice
 
 
