@@ -75,7 +75,7 @@ def one_rank_group(tmp_path):
 def test_the_mesh_routes_every_collective_to_the_current_generation_and_survives_its_destruction(one_rank_group, tmp_path):
     seen = []
     mesh = GenerationMesh(MeshLayout.of(1), 0, "cpu", before=seen.append)
-    mesh.form(GlooTransport(), 1, timedelta(seconds=10), None)
+    mesh.form(GlooTransport(), 0, 1, timedelta(seconds=10), None)
     t = torch.ones(3)
     dist.all_reduce(t, group=mesh.device_mesh.get_group())
     assert seen == ["allreduce"] and t.tolist() == [1.0, 1.0, 1.0]
@@ -83,7 +83,7 @@ def test_the_mesh_routes_every_collective_to_the_current_generation_and_survives
     mesh.release()
     dist.destroy_process_group()  # the generation ends: torch forgets every group it registered
     GlooTransport().init_process_group(dist.FileStore(str(tmp_path / "store2"), 1), 0, 1, 2, timedelta(seconds=10))
-    mesh.form(GlooTransport(), 1, timedelta(seconds=10), None)
+    mesh.form(GlooTransport(), 0, 1, timedelta(seconds=10), None)
     assert mesh.device_mesh.get_group() is first and first.bound  # the same object, bound to the new group
     dist.all_reduce(t, group=mesh.device_mesh.get_group())
     assert seen == ["allreduce", "allreduce"]
@@ -91,8 +91,45 @@ def test_the_mesh_routes_every_collective_to_the_current_generation_and_survives
 
 def test_a_generation_of_another_size_than_the_mesh_loses_its_shards(one_rank_group):
     mesh = GenerationMesh(MeshLayout.of(2), 0, "cpu")
-    with pytest.raises(ShardLost, match="generation of 1 ranks for a device mesh of 2"):
-        mesh.form(GlooTransport(), 1, timedelta(seconds=10), None)
+    with pytest.raises(ShardLost, match=r"generation of 1 ranks for a device mesh of \(2,\): only an HSDP mesh"):
+        mesh.form(GlooTransport(), 0, 1, timedelta(seconds=10), None)
+
+
+def test_an_hsdp_layout_resizes_by_whole_replica_groups_only():
+    hsdp = MeshLayout.of(4, replicate=2)
+    assert hsdp.resized(4) is hsdp
+    assert hsdp.resized(2) == MeshLayout(("replicate", "shard"), (1, 2)) and hsdp.resized(2).replicas == 1
+    assert hsdp.resized(6).sizes == (3, 2) and hsdp.resized(6).holders(5) == [1, 3, 5]
+    assert hsdp.resized(3) is None and hsdp.resized(1) is None  # a shard group cut in two
+    assert MeshLayout.of(4).resized(2) is None  # pure FSDP: every shard is a quarter of the model
+
+
+def test_a_resized_group_reports_its_new_place_to_torch():
+    group = StableGroup(1, 3, "hp-mesh-resize")
+    group.resize(0, 2)
+    assert (group.rank(), group.size()) == (0, 2)
+    with pytest.raises(ValueError, match="rank 2 in a group of 2"):
+        group.resize(2, 2)
+
+
+def test_an_hsdp_mesh_re_forms_with_fewer_replica_groups_keeping_its_shard(one_rank_group, tmp_path):
+    """Rank 1 of a 2 x 1 HSDP mesh (its replica group 1) is rank 0 of the 1-rank generation after its peer's
+    replica group left: the replicate group now has one member, and torch's callers see that size."""
+    mesh = GenerationMesh(MeshLayout.of(2, replicate=2), 1, "cpu")
+    mesh.form(GlooTransport(), 0, 1, timedelta(seconds=10), None)
+    replicate = mesh.device_mesh.get_group("replicate")
+    assert mesh.layout.sizes == (1, 1) and mesh.rank == 0 and mesh.shard_coordinate == 0
+    assert (replicate.rank(), replicate.size(), dist.get_world_size(replicate), dist.get_rank(replicate)) == (0, 1, 1, 0)
+    t = torch.ones(2)
+    dist.all_reduce(t, group=replicate)
+    assert t.tolist() == [1.0, 1.0]
+    mesh.release()
+    dist.destroy_process_group()  # a new generation: torch forgets the groups registered by name
+    GlooTransport().init_process_group(dist.FileStore(str(tmp_path / "store2"), 1), 0, 1, 2, timedelta(seconds=10))
+    two_by_two = GenerationMesh(MeshLayout.of(4, replicate=2), 3, "cpu")  # a shard group of 2 cannot fit in 1 rank
+    with pytest.raises(ShardLost, match=r"device mesh of \(2, 2\): only an HSDP mesh changes its world size, by "
+                                        r"whole replica groups of 2"):
+        two_by_two.form(GlooTransport(), 0, 1, timedelta(seconds=10), None)
 
 
 def _sharded(mesh) -> torch.nn.Module:
@@ -109,7 +146,7 @@ def test_an_fsdp_model_is_registered_on_hp_s_mesh_only(one_rank_group):
     from hp.checkpointless.registry import TrainingState
 
     hp_mesh = GenerationMesh(MeshLayout.of(1), 0, "cpu")
-    hp_mesh.form(GlooTransport(), 1, timedelta(seconds=10), None)
+    hp_mesh.form(GlooTransport(), 0, 1, timedelta(seconds=10), None)
     model = _sharded(hp_mesh.device_mesh)
     st = TrainingState(model, torch.optim.AdamW(model.parameters()), mesh=hp_mesh)
     assert st.fsdp is not None and len(st.fsdp.params) == 4

@@ -154,14 +154,27 @@ def test_a_report_by_holder_finds_the_renumbered_rank():
     assert decisions(c, Decision.SHRINK)[-1]["ranks"] == [2]
 
 
-def test_a_unit_larger_than_one_makes_the_highest_healthy_ranks_leave_too():
+def test_a_unit_larger_than_one_makes_the_dead_rank_s_unit_leave_with_it():
+    """Units are consecutive ranks (an HSDP shard group): the dead rank's unit-mates leave, and the ranks that
+    stay keep their rank modulo the unit (the shard each holds)."""
     c, store, scaler, _ = elastic(min_replicas=2, max_replicas=4, unit=2)
     d = died(c, 0, 1, holder="r1.0")
     assert d == {"action": FailureAction.SHRINK, "generation": 2, "world_size": 2}
+    assert scaler.asked[-1][2] == ScaleEvent(FAILURE, 2)  # the unit is what the job loses
     plan = store.plan(2)
-    assert plan.holders == {0: "r0.0", 1: "r2.0"} and plan.why == "shrink" and plan.at_boundary is False
-    assert decisions(c, Decision.SHRINK)[-1]["leaving"] == [1, 3]
-    assert c.members == {0: 0, 1: 1}
+    assert plan.holders == {0: "r2.0", 1: "r3.0"} and plan.why == "shrink" and plan.at_boundary is False
+    shrink = decisions(c, Decision.SHRINK)[-1]
+    assert shrink["leaving"] == [0, 1] and shrink["ranks"] == [1]
+    assert c.members == {0: 1, 1: 1}
+
+
+def test_with_units_a_failure_below_the_target_drops_the_highest_whole_units_too():
+    c, store, _, _ = elastic(nnodes=6, nproc=1, min_replicas=2, max_replicas=4, unit=2)
+    assert len(c.members) == 6
+    d = died(c, 2, 2, holder="r2.0")  # unit 1 goes; 4 left, the maximum
+    assert d["world_size"] == 4
+    assert store.plan(2).holders == {0: "r0.0", 1: "r1.0", 2: "r4.0", 3: "r5.0"}
+    assert decisions(c, Decision.SHRINK)[-1]["leaving"] == [2, 3]
 
 
 # ---- 2. below the minimum: the fixed-size rungs -------------------------------------------------
@@ -467,12 +480,12 @@ def test_a_node_holding_only_spares_leaves_without_a_new_generation():
     assert snap["joiners"] == [] and snap["free_spares"] == [] and snap["nodes"][2]["done"] is True
 
 
-def test_a_preemption_with_a_unit_larger_than_one_drops_the_highest_other_ranks_too():
+def test_a_preemption_with_a_unit_larger_than_one_drops_the_leaving_rank_s_unit():
     c, store, _, _ = elastic(nnodes=4, nproc=1, min_replicas=2, max_replicas=4, unit=2)
     d = c.handle("node_leaving", {"node_rank": 1, "generation": 1})
     assert d == {"action": FailureAction.LEAVE, "generation": 2, "world_size": 2, "spares": []}
-    assert store.plan(2).holders == {0: "r0.0", 1: "r2.0"}
-    assert decisions(c, Decision.PREEMPT)[-1]["leaving"] == [1, 3]
+    assert store.plan(2).holders == {0: "r2.0", 1: "r3.0"}
+    assert decisions(c, Decision.PREEMPT)[-1]["leaving"] == [0, 1]
 
 
 def test_node_leaving_from_a_stranger_or_before_the_rendezvous_is_refused():

@@ -286,6 +286,8 @@ class Formation:
             sh.set_ring(ring if same else replicas.node_ring(info[6].tolist()))
         elif fs is not None and fs.buddies:
             fs.ring = ring if same else replicas.node_ring(info[6].tolist())
+        elif fs is not None:  # HSDP: no ring (an elastic job grown back from one replica group drops its shadow)
+            fs.ring, fs.shadow = (), None
         if st.premaps is not None:  # the two lowest ranks of each node map its spares' buffers early
             st.premaps.active = sh is None and fs is None and self.rank in agreement.node_sources(self.rank)
         if agreement.behind:

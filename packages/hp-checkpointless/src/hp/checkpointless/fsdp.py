@@ -125,18 +125,19 @@ class ShardedModel:
                              f"mesh=mesh)); not sharded on it: {', '.join(strays[:5])}")
         self.version = -1  # the step this rank's shard is at (-1: a fresh process, before its first commit)
         self.ring: tuple[int, ...] = ()  # the replication ring (pure FSDP): the identity until agreed
-        pure = mesh.layout.replicas == 1 and mesh.layout.world > 1
-        self.grads_in = Replicas() if pure else None  # pure FSDP: the ward's reduced gradients of the last step
+        self.grads_in = Replicas()  # pure FSDP: the ward's reduced gradients of the last step
         self.shadow: Shadow | None = None  # pure FSDP: the ward's shard, kept at the committed step
 
     @property
     def buddies(self) -> bool:
-        """Pure FSDP over several ranks: each shard's only other copy is its buddy's shadow."""
-        return self.grads_in is not None
+        """Pure FSDP over several ranks: each shard's only other copy is its buddy's shadow. Follows the
+        mesh's current layout: an elastic HSDP job left with one replica group has buddies from then on."""
+        layout = self.mesh.layout
+        return layout.replicas == 1 and layout.world > 1
 
     @property
     def replica_at(self) -> int:
-        return NO_REPLICA if self.shadow is None else self.shadow.at
+        return NO_REPLICA if self.shadow is None or not self.buddies else self.shadow.at
 
     @property
     def replica_grads(self) -> int:
@@ -145,7 +146,7 @@ class ShardedModel:
 
     def _pending(self) -> dict | None:
         """The ward's gradients of the step after the shadow's (that step not re-run on it yet)."""
-        held = self.grads_in.held if self.grads_in is not None else None
+        held = self.grads_in.held if self.buddies else None
         return held if held is not None and self.shadow is not None and int(held["version"]) == self.shadow.at + 1 \
             else None
 
@@ -182,7 +183,7 @@ class ShardedModel:
                        move: Callable[[Callable[[], None]], None]) -> None:
         """Pure FSDP, before the vote: this rank's reduced gradients of ``step`` and the step's
         hyper-parameters to its buddy; keeps its ward's."""
-        if self.grads_in is not None:
+        if self.buddies:
             self.grads_in.exchange(self._ring(), rank, lambda: {
                 "version": step, "grads": [local(p.grad) for p in self.params], "hyper": hyper(optimizer.param_groups)},
                 move)
@@ -204,7 +205,7 @@ class ShardedModel:
         a formation that changed who holds what), made from its ward's whole shard. Every rank calls it
         with the same ``stale``; transfers run in its order (each between the two ranks at the same item:
         no cycle of blocked sends), all at once along the ring when every shadow is stale."""
-        if self.grads_in is None:
+        if not self.buddies:
             return
         ring = self._ring()
 
@@ -231,7 +232,7 @@ class ShardedModel:
 
     def copy_for_replacement(self, optimizer: torch.optim.Optimizer, newest: int) -> dict:
         """What this rank sends a replacement of a rank holding its shard (HSDP), or of its ward (FSDP)."""
-        if self.shadow is None:
+        if self.shadow is None or not self.buddies:  # HSDP (again, after an elastic grow): its own shard
             return {"at": newest, "shard": self.shard(optimizer), "grads": None, "hyper": None}
         return self.shadow.message(self._pending())
 

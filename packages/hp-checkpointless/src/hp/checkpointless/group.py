@@ -111,7 +111,7 @@ class GroupLink:
                                                connect_timeout=connect_timeout)
             self.live = True
             if self.mesh is not None:
-                self.mesh.form(self._transport, world_size, self._pg_timeout, connect_timeout)
+                self.mesh.form(self._transport, rank, world_size, self._pg_timeout, connect_timeout)
         self._forming_store = store  # the group holds it: kept referenced from Python while the group lives
         self.rank, self.world_size = rank, world_size
 

@@ -47,8 +47,15 @@ class MeshLayout:
     sizes: tuple[int, ...]
 
     @classmethod
-    def of(cls, world: int, replicate: int = 1, shard: int | None = None) -> MeshLayout:
-        """FSDP over all ranks (``replicate=1``), or HSDP: ``replicate`` groups of ``shard`` ranks."""
+    def of(cls, world: int, replicate: int | None = None, shard: int | None = None) -> MeshLayout:
+        """FSDP over all ranks (neither given, or ``replicate=1``), or HSDP: ``replicate`` groups of ``shard``
+        ranks. ``shard`` alone: HSDP with as many replica groups as the world holds (two dimensions even
+        with one: the mesh of an elastic job, whose replica groups come and go)."""
+        if replicate is None and shard is not None:
+            if isinstance(shard, bool) or not isinstance(shard, int) or shard < 1 or world % shard:
+                raise UsageError(f"a mesh of shard groups of {shard!r} ranks does not cover the job's {world} ranks")
+            return cls((REPLICATE, SHARD), (world // shard, shard))
+        replicate = 1 if replicate is None else replicate
         if isinstance(replicate, bool) or not isinstance(replicate, int) or replicate < 1:
             raise UsageError(f"replicate must be a positive int, got {replicate!r}")
         if shard is None:
@@ -93,6 +100,16 @@ class MeshLayout:
             out.append(self.rank_of(coords))
         return out
 
+    def resized(self, world: int) -> MeshLayout | None:
+        """The layout at ``world`` ranks with the same shard groups (HSDP: whole replica groups more or
+        fewer), None when there is none (pure FSDP: its shards are of its one shard group's size)."""
+        if world == self.world:
+            return self
+        shard = self.sizes[-1]
+        if REPLICATE not in self.names or world < shard or world % shard:
+            return None
+        return MeshLayout(self.names, (world // shard, shard))
+
     def holders(self, rank: int) -> list[int]:
         """Every rank holding the same shard as ``rank`` (itself included): its replicate group."""
         return self.group_ranks(rank, self.names.index(REPLICATE)) if REPLICATE in self.names else [rank]
@@ -111,13 +128,32 @@ def _unbound(group: StableGroup, op: str) -> Any:
 
 class StableGroup(dist.ProcessGroup):
     """A process group object that outlives generations: every collective goes to ``inner``, the
-    group of the current generation (raises while unbound). ``rank()`` and ``size()`` are fixed: a
-    generation that replaces a rank keeps the mesh's shape."""
+    group of the current generation (raises while unbound). ``rank()`` and ``size()`` are those of the
+    current generation's group: a generation that replaces a rank keeps them; an elastic HSDP job that
+    loses or gains replica groups changes the replicate dimension's (:meth:`resize`). torch's own callers
+    (FSDP's gradient divisor, ``get_world_size(group)``) ask them from Python; the C++ side keeps the
+    sizes the group was made with, which it uses only to shape collectives along the shard dimension
+    (never resized)."""
 
     def __init__(self, rank: int, size: int, name: str, before: Callable[[str], None] | None = None) -> None:
         super().__init__(rank, size)
         self._name, self._before = name, before
+        self._rank, self._size = rank, size
         self._inner: dist.ProcessGroup | None = None
+
+    def rank(self) -> int:
+        return self._rank
+
+    def size(self) -> int:
+        return self._size
+
+    def resize(self, rank: int, size: int) -> None:
+        """This rank's place in the group from the next :meth:`bind` on (unbound: between generations)."""
+        if self._inner is not None:
+            raise RuntimeError(f"{self._name}: resized while bound to a generation's group")
+        if not 0 <= rank < size:
+            raise ValueError(f"{self._name}: rank {rank} in a group of {size}")
+        self._rank, self._size = rank, size
 
     @property
     def group_name(self) -> str:
@@ -215,14 +251,33 @@ class GenerationMesh:
             return False
         return bool(groups) and all(any(g is mine for mine in self.groups) for g in groups)
 
-    def form(self, transport: Any, world_size: int, timeout: timedelta, connect_timeout: timedelta | None) -> None:
-        """Bind every dimension to a group of the current generation (its default group must exist).
-        Every rank forms its dimensions in the same order, so the members of a group meet."""
-        if world_size != self.layout.world:  # the shards live on a mesh of that shape: no peer holds others
-            raise ShardLost(f"generation of {world_size} ranks for a device mesh of {self.layout.world}: a job "
-                            f"sharded over a mesh cannot change its world size yet")
+    @property
+    def shard_coordinate(self) -> int:
+        """Which shard this process holds: its coordinate along ``shard``, fixed when FSDP sharded the model."""
+        return self.groups[-1].rank()
+
+    def form(self, transport: Any, rank: int, world_size: int, timeout: timedelta,
+             connect_timeout: timedelta | None) -> None:
+        """Bind every dimension to a group of the current generation (its default group must exist), where
+        this process is ``rank`` of ``world_size``. Every rank forms its dimensions in the same order, so the
+        members of a group meet. An elastic HSDP job re-forms with whole replica groups more or fewer (the
+        controller renumbers ranks by whole units): the shard groups stay as they are, the replicate groups
+        grow or shrink. Any other change loses shards: a rank's FSDP shard is the one its coordinate along
+        ``shard`` had when the model was sharded."""
+        layout = self.layout.resized(world_size)
+        if layout is None:  # the shards live on a mesh of that shape: no peer holds others
+            raise ShardLost(f"generation of {world_size} ranks for a device mesh of {self.layout.sizes}: only an "
+                            f"HSDP mesh changes its world size, by whole replica groups of {self.layout.sizes[-1]}")
+        coords = layout.coords(rank)
+        if coords[-1] != self.shard_coordinate:
+            raise ShardLost(f"rank {rank} of {world_size} is shard {coords[-1]} of a mesh of {layout.sizes}; this "
+                            f"process holds shard {self.shard_coordinate} (the scaling policy's unit must be a "
+                            f"multiple of the shard group size {layout.sizes[-1]})")
+        self.layout, self.rank = layout, rank
         for dim, group in enumerate(self.groups):
-            ranks = self.layout.group_ranks(self.rank, dim)
+            ranks = layout.group_ranks(rank, dim)
+            if (group.rank(), group.size()) != (coords[dim], layout.sizes[dim]):
+                group.resize(coords[dim], layout.sizes[dim])
             inner = dist.group.WORLD if len(ranks) == world_size else transport.new_subgroup(
                 ranks, timeout=timeout, connect_timeout=connect_timeout)
             group.bind(inner, ranks)

@@ -184,10 +184,14 @@ class Context:
     def scheduler(self) -> Any:
         return self._training.scheduler if self._training is not None else None
 
-    def device_mesh(self, *, replicate: int = 1, shard: int | None = None) -> Any:
+    def device_mesh(self, *, replicate: int | None = None, shard: int | None = None) -> Any:
         """The ``torch.distributed.DeviceMesh`` to shard the model on with FSDP2 (``fully_shard(module,
         mesh=mesh)``): 1-D (``shard`` = every rank) by default, HSDP with ``replicate`` > 1 (dims
-        ``("replicate", "shard")``, ``shard`` ranks each, consecutive ranks in a shard group). Its process
+        ``("replicate", "shard")``, ``shard`` ranks each, consecutive ranks in a shard group). ``shard``
+        alone: HSDP with as many replica groups as the job has; an elastic job (scaling policy ``unit`` a
+        multiple of ``shard``) shrinks and grows by whole replica groups, each rank keeping its shard: the
+        replicate group's ``size()`` follows the generation, the ``DeviceMesh``'s own shape stays the one it
+        was built with (use ``ctx.world_size``, not ``mesh.size()``, for the data-parallel degree). Its process
         groups are those of the current generation, re-formed with every generation
         (:mod:`hp.checkpointless.mesh`); a lost rank's shards come back from peers
         (:mod:`hp.checkpointless.fsdp`). The job's first process group forms here, and a hot spare waits

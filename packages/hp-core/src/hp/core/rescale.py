@@ -26,7 +26,7 @@ the plan by their holder id. Pure like the base class: clock and publish are inj
 from __future__ import annotations
 
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 from hp.core.controller import Controller, ControllerConfig, Refused, request_field
 from hp.core.protocol import Decision, FailureAction, JobState, Verb, spare_holder, spare_id
@@ -79,16 +79,29 @@ class ElasticController(Controller):
         spare = super()._pick_spare(node_rank)
         return spare if spare in self.spares.ready else None
 
+    def _units_of(self, ranks: Iterable[int]) -> set[int]:
+        """``ranks`` and the other ranks of their units. A unit (the policy's ``unit``) is consecutive ranks,
+        ``[k * unit, (k + 1) * unit)``: an HSDP shard group, say, whose shards exist only together. Ranks
+        leave by whole units, so that the ranks that stay keep their place in a unit (their rank modulo the
+        unit) through the stable renumbering: an HSDP rank keeps the shard it holds."""
+        unit = max(1, int(getattr(self.scaler, "unit", 1)))
+        units = {r // unit for r in ranks}
+        return {r for r in self.members if r // unit in units}
+
+    def _leaving(self, going: set[int], target: int) -> set[int]:
+        """``going`` (already whole units) and, while the job is above ``target``, its highest other ranks."""
+        extra = [r for r in sorted(self.members, reverse=True) if r not in going][:len(self.members) - len(going) - target]
+        return going | set(extra)
+
     def _without_spare(self, ranks: list[int], cause: str) -> dict | None:
         world = len(self.members)
-        target = self.scaler.target(world, self._available(world), ScaleEvent(FAILURE, len(ranks)))
+        going = self._units_of(ranks)  # a unit larger than one: the dead ranks' unit-mates leave at once too
+        target = self.scaler.target(world, self._available(world), ScaleEvent(FAILURE, len(going)))
         if target.world is None or target.world >= world:
             self._log(Decision.ESCALATE, ranks=ranks, reason=target.reason)
             return None
-        # a unit larger than one drops healthy ranks too (the highest): they leave at once
-        extra = [r for r in sorted(self.members, reverse=True) if r not in ranks][:world - len(ranks) - target.world]
-        self._resize({*ranks, *extra}, [], "shrink", Decision.SHRINK, False, ranks=ranks, cause=cause,
-                      reason=target.reason)
+        self._resize(self._leaving(going, target.world), [], "shrink", Decision.SHRINK, False, ranks=ranks,
+                     cause=cause, reason=target.reason)
         return {"action": FailureAction.SHRINK, "generation": self.generation, "world_size": len(self.members)}
 
     def _maybe_grow(self) -> None:
@@ -175,14 +188,13 @@ class ElasticController(Controller):
         self._require_running()
         if p.get("hosts_controller") is True:  # the controller goes with this node: the job cannot go on
             return self._preempt_job(f"node {node.node_rank}, which hosts the controller, is preempted")
-        ranks = {r for r, owner in self.members.items() if owner == node.node_rank}
+        ranks = self._units_of(r for r, owner in self.members.items() if owner == node.node_rank)
         world = len(self.members)
         if ranks:
             target = self.scaler.target(world, self._available(world) - len(ranks), ScaleEvent(PREEMPTION, len(ranks)))
             if target.world is None:
                 return self._preempt_job(f"node {node.node_rank} is preempted and {target.reason}")
-            extra = [r for r in sorted(self.members, reverse=True) if r not in ranks][:world - len(ranks) - target.world]
-            ranks |= set(extra)
+            ranks = self._leaving(ranks, target.world)
         node.done = True  # gone by agreement: never declared lost, never waited for
         dropped = sorted(s for s, owner in self.spares.free.items() if owner == node.node_rank)
         self.spares.drop_nodes({node.node_rank})

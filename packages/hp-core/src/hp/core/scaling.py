@@ -35,6 +35,9 @@ class ScaleTarget:
 
 @runtime_checkable
 class Scaler(Protocol):
+    """``unit``: world sizes are multiples of it, and ranks leave by whole units of consecutive ranks
+    (the controller reads it with ``getattr(scaler, "unit", 1)``: a scaler without it has unit 1)."""
+
     min_replicas: int
     max_replicas: int
 

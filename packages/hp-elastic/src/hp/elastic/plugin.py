@@ -20,7 +20,7 @@ class PolicyScaler:
 
     def __init__(self, policy: ScalingPolicy) -> None:
         self.policy = policy
-        self.min_replicas, self.max_replicas = policy.min_replicas, policy.max_replicas
+        self.min_replicas, self.max_replicas, self.unit = policy.min_replicas, policy.max_replicas, policy.unit
 
     def target(self, world: int, capacity: int, event: ScaleEvent) -> ScaleTarget:
         kinds = {FAILURE: lambda: Failure(event.count), PREEMPTION: lambda: Preemption(event.count),

@@ -206,11 +206,19 @@ def lost_steps(events: list[dict], steps: int) -> int:
 
 def reference_run(cfg: ElasticDemoConfig, root: str, policy: str, ranks: int | None = None) -> RunResult:
     """The same job at a fixed size of ``ranks`` (default: the demo's full size), all on one node, no fault."""
-    ref_dir = os.path.join(root, "reference")
+    return one_node_run(cfg, root, policy, ranks or 2 * cfg.nproc_per_node)
+
+
+def one_node_run(cfg: ElasticDemoConfig, root: str, policy: str, ranks: int, name: str = "reference",
+                 faults: list[dict] | None = None, elastic: bool = False) -> RunResult:
+    """The job started with ``ranks`` ranks on one node, with the injected ``faults``, its logs in
+    ``root/name``; ``elastic``: ``hp run --scaling-policy`` (the policy decides where its size goes)."""
+    ref_dir = os.path.join(root, name)
     os.makedirs(root, exist_ok=True)
     start = time.monotonic()
-    job = _Job(_agent(ref_dir, ["--nproc-per-node", str(ranks or 2 * cfg.nproc_per_node)]) + train_argv(cfg, policy),
-               os.path.join(root, "reference.out"), _env())
+    flags = ["--nproc-per-node", str(ranks), *(["--scaling-policy", policy] if elastic else [])]
+    job = _Job(_agent(ref_dir, flags) + train_argv(cfg, policy),
+               os.path.join(root, f"{name}.out"), _env({"HP_FAULTS": json.dumps(faults)} if faults else None))
     try:
         job.proc.wait(timeout=cfg.timeout_s)
     finally:

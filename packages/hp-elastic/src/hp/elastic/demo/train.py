@@ -38,6 +38,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--exact", action="store_true", help="exact mode: bit-identical at any world size")
     p.add_argument("--zero", action="store_true",
                    help="shard the optimizer state (ZeroRedundancyOptimizer), resharded at every scale event")
+    p.add_argument("--hsdp-shard", type=int, default=0, metavar="S",
+                   help="shard the model with FSDP2 over shard groups of S ranks, replicated across them (HSDP, "
+                        "ctx.device_mesh(shard=S)): the job shrinks and grows by whole replica groups (policy unit S)")
     add_checkpoint_args(p)  # a preempted job saves its last committed step there
     return p.parse_args(argv)
 
@@ -51,8 +54,17 @@ def main(ctx) -> None:
     sampler = StepSampler(len(Windows(cache, args.seq)), geometry=policy, seed=args.seed)
     loader = StepLoader(Windows(cache, args.seq), sampler)
 
+    if args.hsdp_shard and (args.exact or args.zero):
+        raise SystemExit("--hsdp-shard: FSDP2 reduces the gradients itself (no --exact) and shards the optimizer (no --zero)")
+    mesh = ctx.device_mesh(shard=args.hsdp_shard) if args.hsdp_shard else None  # a joiner waits here for its rank
     torch.manual_seed(args.seed)
     model = build_model(args.model_size, args.vocab, args.seq, args.dropout)
+    if mesh is not None:
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in model.blocks.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
     # the LR of the world size the job starts at (a joiner's is replaced by its peers' when it hydrates)
     start_world = ctx.world_size if policy.allows(ctx.world_size) else policy.min_replicas
     lr = policy.lr_for(start_world) if policy.lr is not None or policy.lr_table else 3e-3
