@@ -39,6 +39,7 @@ def test_hsdp_shard_groups_are_consecutive_ranks_and_replicate_groups_stride_ove
     ({"replicate": 0}, "replicate must be a positive int, got 0"),
     ({"replicate": True}, "replicate must be a positive int, got True"),
     ({"shard": "2"}, "does not cover"),
+    ({"shard": 3}, "a mesh of shard groups of 3 ranks does not cover the job's 4 ranks"),
 ])
 def test_a_mesh_that_does_not_cover_the_job_is_a_one_line_error(kw, message):
     with pytest.raises(UsageError, match=message) as e:
