@@ -90,6 +90,28 @@ def test_hsdp_shard_lost_with_its_replicate_group_stops_the_job_naming_it(job_en
         result.output[-3000:]
 
 
+SCALED = ["--scaler", "--inf-step", str(AT - 1), "--inf-rank", "2"]
+
+
+@pytest.mark.parametrize("layout", [HSDP, FSDP], ids=["hsdp", "fsdp"])
+def test_a_scaled_sharded_model_skips_its_inf_step_through_two_failures_in_it(layout, job_env, tmp_path,
+                                                                               chaos_reference_cache):
+    """AMP (bfloat16 autocast, a GradScaler): rank 2's backward overflows at step 4 on every attempt. Rank 1
+    dies in that step's reduction (the survivors forget the unscale, the replacement gets the scaler's state
+    with the rest), then rank 2 after the replayed step's vote: the job skipped the step, and so did the copy
+    rank 2's shard comes back from (HSDP: its replica; FSDP: its buddy's shadow, which skipped the update)."""
+    args = layout + SCALED
+    reference = chaos_reference_cache.demo(config(args, spares=0), job_env, str(tmp_path / "reference"))
+    assert reference.returncode == 0, reference.output[-3000:]
+    skipped = {(e["step"], e["scale"]) for e in reference.events if e["event"] == "step_skipped"}
+    assert skipped == {(AT - 1, 4096.0)}, skipped  # 2**12, grown once after 3 clean steps, halved
+    result = faulted(tmp_path, job_env, args, [kill(1, "allreduce", AT - 1), kill(2, "optimizer", AT - 1)], spares=2)
+    assert_identical(reference, result, args)
+    assert "scaler" in compare_state(reference, result, NPROC, sharded_parts(args))["state_parts"]
+    holder = 0 if layout == HSDP else 3  # rank 2's replica (r - 2), or its buddy (r + 1)
+    assert [(r, src) for r, src, *_ in rebuilt(result)] == [(1, 3 if layout == HSDP else 2), (2, holder)], rebuilt(result)
+
+
 def test_fsdp_survives_a_second_failure_during_hydration(references, job_env, tmp_path):
     """Rank 3 dies while rank 1's replacement is hydrated: its shard is still at its buddy (rank 0), and
     rank 1's buddy keeps its copy until a transfer completes."""

@@ -151,12 +151,10 @@ def test_an_fsdp_model_is_registered_on_hp_s_mesh_only(one_rank_group):
     model = _sharded(hp_mesh.device_mesh)
     st = TrainingState(model, torch.optim.AdamW(model.parameters()), mesh=hp_mesh)
     assert st.fsdp is not None and len(st.fsdp.params) == 4
-    for kw, message in [
-        ({}, r"shard the model on the mesh hp forms for each generation: mesh = ctx.device_mesh\(...\)"),
-        ({"mesh": hp_mesh, "scaler": torch.amp.GradScaler("cpu")}, "a GradScaler with an FSDP2 model is not supported"),
-    ]:
-        with pytest.raises(UsageError, match=message):
-            TrainingState(model, torch.optim.AdamW(model.parameters()), **kw)
+    scaled = TrainingState(model, torch.optim.AdamW(model.parameters()), mesh=hp_mesh, scaler=torch.amp.GradScaler("cpu"))
+    assert scaled.replicated_part()["scaler"]["scale"] == 65536.0  # what a replacement gets with the rest
+    with pytest.raises(UsageError, match=r"shard the model on the mesh hp forms for each generation: mesh = ctx.device_mesh\(...\)"):
+        TrainingState(model, torch.optim.AdamW(model.parameters()))
     foreign = _sharded(init_device_mesh("cpu", (1,)))  # torch's own mesh: its groups die with the generation
     with pytest.raises(UsageError, match=r"shard every parameter on it .*not sharded on it: 0.weight, 0.bias"):
         TrainingState(foreign, torch.optim.AdamW(foreign.parameters()), mesh=hp_mesh)

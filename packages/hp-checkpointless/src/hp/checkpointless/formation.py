@@ -247,16 +247,17 @@ class Formation:
         # (rows 4-5); its node (row 6: a new replication ring puts a rank's buddy on another node), whether
         # its shards replicate along a ring other than the identity (row 7), the samples consumed through
         # its committed step (row 8: with a per-replica batch, a function of the world-size history) and the
-        # world size its state is for (row 9: the LR of a policy that scales it)
+        # world size its state is for (row 9: the LR of a policy that scales it); an FSDP model's newest
+        # committed step the job skipped (row 11: a GradScaler saw inf/NaN; a roll-forward of it updates nothing)
         shard, replica, replica_grads = -1, -1, -1
         if sh is not None:
             shard, replica = sh.version, sh.replica_version
         elif fs is not None:
             shard, replica, replica_grads = fs.version, fs.replica_at, fs.replica_grads
-        info = self._agree = torch.zeros(11, plan.world_size, dtype=torch.int64)
+        info = self._agree = torch.zeros(12, plan.world_size, dtype=torch.int64)
         info[:, self.rank] = torch.tensor([st.committed, shard, replica, tx.grads_step, *before, self.node_rank,
                                            int(held_ring != replicas.identity(len(held_ring))),
-                                           st.samples, st.world, replica_grads])
+                                           st.samples, st.world, replica_grads, fs.skipped if fs is not None else -1])
         self._link.collective(dist.all_reduce, info)
         newest = int(info[0].max())
         source = int((info[0] == newest).nonzero()[0])
@@ -279,7 +280,7 @@ class Formation:
             behind=[r for r in range(plan.world_size) if info[0, r] < newest or info[9, r] != info[9, source]],
             versions=sharded.Versions(*info[:4].tolist()), previous_world=previous_world,
             previous_ranks=tuple(info[4].tolist()), ring=ring, replica_grads=tuple(info[10].tolist()),
-            nodes=tuple(info[6].tolist()))
+            nodes=tuple(info[6].tolist()), skipped=int(info[11].max()))
         # the same partitioning keeps its ring; a new one gets a ring across nodes
         same = previous_world == plan.world_size and not agreement.resharding(plan.world_size)
         if sh is not None:

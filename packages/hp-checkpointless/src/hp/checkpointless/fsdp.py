@@ -127,6 +127,7 @@ class ShardedModel:
         self.ring: tuple[int, ...] = ()  # the replication ring (pure FSDP): the identity until agreed
         self.grads_in = Replicas()  # pure FSDP: the ward's reduced gradients of the last step
         self.shadow: Shadow | None = None  # pure FSDP: the ward's shard, kept at the committed step
+        self.skipped = -1  # the newest committed step whose update the job skipped (a GradScaler saw inf/NaN)
 
     @property
     def buddies(self) -> bool:
@@ -172,6 +173,10 @@ class ShardedModel:
         for p in self.params:
             p.grad = None
 
+    def finite_grads(self) -> bool:
+        """Whether every reduced gradient of this rank's shard is finite."""
+        return all(bool(torch.isfinite(p.grad.to_local()).all()) for p in self.params if p.grad is not None)
+
     def scale_grads(self, factor: float) -> None:
         """Multiply this rank's reduced gradients of its shard by ``factor`` (in place, local tensors)."""
         with torch.no_grad():
@@ -195,7 +200,7 @@ class ShardedModel:
             return
         try:
             with state.from_peer(ward_in(self._ring(), dist.get_rank()), "gradient copy"):
-                self.shadow.advance(step, pending["grads"], pending["hyper"])
+                self.shadow.advance(step, pending["grads"], pending["hyper"], skip=self.skipped == step)
         except state.StateTransferError:  # the step stands (committed); the next formation copies the shard whole
             self.shadow = None
 
@@ -278,7 +283,12 @@ class ShardedModel:
     def roll_forward(self, optimizer: torch.optim.Optimizer, step: int, grads: Sequence[torch.Tensor] | None = None,
                      step_hyper: Sequence[dict] | None = None) -> None:
         """Re-run step ``step``'s optimizer update of this shard: with this rank's own reduced gradients
-        (still on the parameters), or with ``grads`` (local tensors) and ``step_hyper`` from a replica."""
+        (still on the parameters), or with ``grads`` (local tensors) and ``step_hyper`` from a replica; none
+        when the job skipped that step (:attr:`skipped`)."""
+        if step == self.skipped:
+            self.clear_grads()
+            self.version = step
+            return
         if grads is not None:
             if len(grads) != len(self.params):
                 raise state.StateTransferError(f"{len(grads)} gradients for {len(self.params)} parameters")

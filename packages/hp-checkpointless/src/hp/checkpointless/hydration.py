@@ -46,6 +46,7 @@ class Agreement:
     # an FSDP model's: per rank, the step of the gradients that came with its copy of its ward's shard
     replica_grads: tuple[int, ...] = ()
     nodes: tuple[int, ...] = ()  # each rank's node (a source packs a hydration into a same-node receiver's memory)
+    skipped: int = -1  # an FSDP model's newest committed step whose update the job skipped (GradScaler: inf/NaN)
 
     def same_node(self, a: int, b: int) -> bool:
         return bool(self.nodes) and self.nodes[a] == self.nodes[b]
@@ -152,6 +153,7 @@ def fsdp_shards(st: TrainingState, a: Agreement, rank: int, collective: Callable
     behind (FSDP); the replicated rest from the source; then (pure FSDP) shadows that fell behind catch up,
     and a rank whose shadow is missing or stale (a replacement's) gets its ward's shard copied whole."""
     fs, optimizer = st.fsdp, st.optimizer
+    fs.skipped = max(fs.skipped, a.skipped)  # a roll-forward (own, a replica's, a shadow's) of a skipped step updates nothing
     v = fsdp.ShardVersions(a.versions.shard, a.versions.grads, a.versions.replica, list(a.replica_grads))
     rolls, sources = fsdp.plan_sources(v, a.newest, fs.mesh.layout, fs.ring)  # ShardLost: on every rank alike
     if rank in rolls:  # finished the backward of `newest`, missed its vote: its own gradients are still there

@@ -50,7 +50,7 @@ class TrainingState:
         self.broadcast_buffers = broadcast_buffers
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.sharded: sharded.ShardedOptimizer | None = None
-        self.fsdp = self._sharded_model(model, mesh, scaler)
+        self.fsdp = self._sharded_model(model, mesh)
         self.committed = -1  # last committed step
         # samples the job consumed through the committed step: where the next step's samples start
         # (StepSampler). Only committed steps count, so a failed step's replay reads the same samples.
@@ -66,7 +66,7 @@ class TrainingState:
         self.mark_committed(-1)
 
     @staticmethod
-    def _sharded_model(model: torch.nn.Module, mesh: Any, scaler: Any) -> fsdp.ShardedModel | None:
+    def _sharded_model(model: torch.nn.Module, mesh: Any) -> fsdp.ShardedModel | None:
         """An FSDP2 model (``fully_shard`` on the mesh of ``ctx.device_mesh()``): its recovery side."""
         from torch.distributed.fsdp import FSDPModule
 
@@ -75,8 +75,6 @@ class TrainingState:
         if mesh is None:
             raise UsageError("shard the model on the mesh hp forms for each generation: "
                              "mesh = ctx.device_mesh(...); fully_shard(module, mesh=mesh)")
-        if scaler is not None:
-            raise UsageError("a GradScaler with an FSDP2 model is not supported yet (train in bf16)")
         return fsdp.ShardedModel(model, mesh)
 
     def build_optimizer(self) -> None:
@@ -130,6 +128,7 @@ class TrainingState:
         return {"buffers": dict(self.model.named_buffers()), "rng": capture_rng(),
                 "hyper": sharded.hyper(self.optimizer.param_groups),
                 "scheduler": self.scheduler.state_dict() if self.scheduler is not None else None,
+                "scaler": self.scaler.state_dict() if self.scaler is not None else None,
                 "extra": self.extra.state_dict() if self.extra is not None else None}
 
     def load_replicated_part(self, received: dict) -> None:
@@ -142,6 +141,10 @@ class TrainingState:
         sharded.set_hyper(self.optimizer.param_groups, received["hyper"])
         if self.scheduler is not None:
             self.scheduler.load_state_dict(received["scheduler"])
+        if self.scaler is not None:
+            if not isinstance(received.get("scaler"), dict):
+                raise state.StateTransferError("the source sent no GradScaler state")
+            self.scaler.load_state_dict(received["scaler"])
         if self.extra is not None and received["extra"]:
             self.extra.load_state_dict(received["extra"])
         restore_rng(received["rng"])

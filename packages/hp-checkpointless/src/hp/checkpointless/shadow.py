@@ -45,8 +45,12 @@ class Shadow:
         blank = self.optimizer.state_dict()
         self.optimizer.load_state_dict({"state": shard["optim"], "param_groups": blank["param_groups"]})
 
-    def advance(self, step: int, grads: Sequence[torch.Tensor], step_hyper: Sequence[dict]) -> None:
-        """The ward's update of committed step ``step``: its reduced gradients and hyper-parameters."""
+    def advance(self, step: int, grads: Sequence[torch.Tensor], step_hyper: Sequence[dict], skip: bool = False) -> None:
+        """The ward's update of committed step ``step``: its reduced gradients and hyper-parameters; none
+        when the job skipped the step (a GradScaler saw inf/NaN): the shadow is at ``step`` as it is."""
+        if skip:
+            self.at = step
+            return
         if len(grads) != len(self.params):
             raise state.StateTransferError(f"{len(grads)} gradients for a shadow of {len(self.params)} parameters")
         for p, g in zip(self.params, grads):

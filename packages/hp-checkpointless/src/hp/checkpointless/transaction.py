@@ -10,7 +10,9 @@ unscaled, and whether they hold an inf/NaN travels in the vote, so every rank sk
 
 With a model sharded by FSDP2 (:mod:`hp.checkpointless.fsdp`) FSDP reduces the gradients itself,
 inside backward; ``reduce`` then only marks them reduced (over micro-batches, FSDP reduced each one's
-backward and accumulated: scaled to the mean over the step's micro-batches), sends this rank's gradients of
+backward and accumulated: scaled to the mean over the step's micro-batches), unscales them with a
+scaler (the verdict travels in the vote as for replicated state; a skipped step is skipped by the
+buddies' shadows too), sends this rank's gradients of
 its shard to its buddy (pure FSDP: :mod:`hp.checkpointless.shadow`) and broadcasts the buffers: the vote
 still decides.
 
@@ -102,6 +104,7 @@ class StepTransaction:
             if self.micro_batches is not None:  # each backward averaged over the ranks: the sum of k = M / W
                 self._st.fsdp.scale_grads(world_size / self.micro_batches)  # such means, made the mean of M
             self.grads_step = step  # FSDP reduced them during backward
+            self._unscale(lambda: self._st.fsdp.finite_grads())  # before the buddy gets them: what the update uses
             self._st.fsdp.send_gradients(dist.get_rank(), self._st.optimizer, step, self._collective)
             if self._st.broadcast_buffers and world_size > 1:
                 self._broadcast_buffers()
@@ -113,11 +116,18 @@ class StepTransaction:
         self._scatter_other_dtypes()
         if self._st.broadcast_buffers and world_size > 1:
             self._broadcast_buffers()
+        self._unscale(lambda: bool(torch.isfinite(grads).all()))
+
+    def _unscale(self, finite: Callable[[], bool]) -> None:
+        """With an enabled scaler: unscale the reduced gradients in place (decides nothing yet: the vote
+        does, from every rank's ``not finite()``). On an FSDP model's DTensor gradients torch's unscale also
+        max-reduces the inf/NaN flag over the shard dimensions, so the scaler's own verdict (its
+        ``update()``) is the same on every rank too."""
         scaler = self._st.scaler
         if scaler is not None and scaler.is_enabled():
-            scaler.unscale_(self._st.optimizer)  # in place on the views; decides nothing yet: the vote does
+            scaler.unscale_(self._st.optimizer)
             self._unscaled = True
-            self._found_inf = not bool(torch.isfinite(grads).all())
+            self._found_inf = not finite()
 
     def vote(self, step: int, losses: dict[int, float], world_size: int, boundary: bool) -> tuple[float, bool, bool]:
         """Every rank's yes. ``losses``: this rank's loss per slot (its micro-batches' ids, or its rank when
@@ -146,6 +156,8 @@ class StepTransaction:
     def apply(self, step: int, skip: bool) -> None:
         """The committed step's local update; ``skip``: the scaler's inf/NaN verdict, taken by every rank."""
         st = self._st
+        if st.fsdp is not None and skip:  # a buddy's shadow skips its ward's update of this step too
+            st.fsdp.skipped = step
         if st.scaler is not None and self._unscaled:
             if not skip:
                 self._optimizer_step(step, lambda: st.scaler.step(st.optimizer))

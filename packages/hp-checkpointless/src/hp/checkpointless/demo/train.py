@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 
 import torch
@@ -41,6 +42,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--micro-batches", type=int, default=0, metavar="M",
                    help="split each step in M micro-batches of --batch-size samples over every rank "
                         "(step.micro_batches, a constant global batch) instead of one batch per rank")
+    p.add_argument("--scaler", action="store_true",
+                   help="AMP: bfloat16 autocast around the forward and a torch.amp.GradScaler (its scale, inf/NaN "
+                        "skips and state kept by hp; bfloat16 needs no scaling: the CPU stand-in for float16 on a GPU)")
+    p.add_argument("--inf-step", type=int, default=None, metavar="K",
+                   help="with --scaler: rank --inf-rank's scaled loss is inf at step K (every attempt): the job skips K")
+    p.add_argument("--inf-rank", type=int, default=0)
     p.add_argument("--ulp-after-recovery", type=int, default=None, metavar="RANK",
                    help="harness self-test: after the last step, the process holding RANK, if it joined by a "
                         "recovery, moves one weight by one ulp (hp demo must then report the state unequal)")
@@ -88,6 +95,10 @@ def main(ctx) -> None:
         return torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=args.steps)
 
     checkpoint = job_checkpoint(args)
+    if args.scaler and args.zero:
+        raise SystemExit("--scaler: a GradScaler with a ZeroRedundancyOptimizer is not supported yet")
+    # growth every 3 clean steps: the scale moves within a short job (a state that must be kept exactly)
+    scaler = torch.amp.GradScaler(device.type, init_scale=2.0 ** 12, growth_interval=3) if args.scaler else None
     if mesh is not None:
         from torch.distributed.fsdp import fully_shard
 
@@ -95,27 +106,39 @@ def main(ctx) -> None:
             fully_shard(layer, mesh=mesh)
         fully_shard(model, mesh=mesh)
         optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
-        ctx.register(model, optimizer, make_scheduler(optimizer), checkpoint=checkpoint)
+        ctx.register(model, optimizer, make_scheduler(optimizer), checkpoint=checkpoint, scaler=scaler)
     elif args.zero:  # built by hp once the process group exists (a spare has none yet)
         ctx.register(model, lambda params: ZeroRedundancyOptimizer(params, torch.optim.AdamW, lr=3e-3),
                      make_scheduler, checkpoint=checkpoint)
     else:
         optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
-        ctx.register(model, optimizer, make_scheduler(optimizer), checkpoint=checkpoint,
+        ctx.register(model, optimizer, make_scheduler(optimizer), checkpoint=checkpoint, scaler=scaler,
                      reduction=OverlappedMeanReduction(args.bucket_mb) if args.overlap else None)
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        with torch.autocast(device.type, dtype=torch.bfloat16) if scaler is not None else contextlib.nullcontext():
+            return model(x)
+
+    def backward(loss: torch.Tensor, step: int) -> None:
+        if scaler is None:
+            return loss.backward()
+        scaled = scaler.scale(loss)
+        if step == args.inf_step and ctx.rank == args.inf_rank:
+            scaled = scaled * float("inf")  # an overflow in this rank's backward: inf/NaN in every reduced shard
+        scaled.backward()
 
     replacement = os.environ.get("HP_ROLE") == "spare" or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0"
     for step in ctx.steps(args.steps):
         with step:
             if loader is None:
                 x, y = (t.to(device) for t in batches.get(step, ctx.rank, ctx.world_size))
-                loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
-                loss.backward()
+                loss = F.cross_entropy(forward(x).flatten(0, 1).float(), y.flatten())
+                backward(loss, step)
             else:
                 loss = []
                 for x, y in step.micro_batches(loader):
-                    micro = F.cross_entropy(model(x.to(device)).flatten(0, 1), y.to(device).flatten())
-                    micro.backward()
+                    micro = F.cross_entropy(forward(x.to(device)).flatten(0, 1).float(), y.to(device).flatten())
+                    backward(micro, step)
                     loss.append(micro)
             ctx.commit(loss)
             if step == args.steps - 1 and ctx.rank == args.ulp_after_recovery and replacement:
