@@ -27,8 +27,11 @@ def job(tmp_path, monkeypatch):
     policy = tmp_path / "policy.yaml"
     policy.write_text(POLICY)
 
-    def run(name: str, ranks: int, faults: list[dict] | None = None, steps: int = STEPS) -> RunResult:
-        cfg = ElasticDemoConfig(steps=steps, exact=False, corpus_mb=2, timeout_s=240,
+    def run(name: str, ranks: int, faults: list[dict] | None = None, steps: int = STEPS, unit: int = 2,
+            exact: bool = False) -> RunResult:
+        if unit != 2:
+            policy.write_text(POLICY.replace("unit: 2", f"unit: {unit}"))
+        cfg = ElasticDemoConfig(steps=steps, exact=exact, corpus_mb=2, timeout_s=240,
                                 train_args=["--hsdp-shard", "2", "--dropout", "0"])
         return one_node_run(cfg, str(tmp_path), str(policy), ranks, name, faults, elastic=faults is not None)
 
@@ -93,3 +96,18 @@ def test_a_replica_group_lost_mid_run_shrinks_the_mesh_and_joiners_grow_it_back(
     rebuilt = [e for e in run.events if e["event"] == "shard_rebuilt"]
     assert sorted((e["rank"], e["buddy"]) for e in rebuilt if e["buddy"] is not None)[-2:] == [(2, 0), (3, 1)], rebuilt
     assert_replicas_equal(run)
+
+
+def test_a_policy_whose_unit_splits_a_shard_group_stops_the_job_naming_the_fix(job):
+    """Unit 1: the controller shrinks 4 -> 3, which no HSDP mesh of shard groups of 2 covers; every rank
+    sees it at once and the job stops with one line (no hang, no wrong shard)."""
+    run = job("unit-1", 4, kill(3), unit=1)
+    assert run.returncode != 0
+    assert "only an HSDP mesh changes its world size, by whole replica groups of 2 (a scaling policy's unit must be " \
+           "a multiple of 2)" in run.output, run.output[-3000:]
+
+
+def test_exact_mode_with_an_fsdp_model_is_refused_in_one_line(job):
+    run = job("exact", 2, exact=True)
+    assert run.returncode != 0
+    assert "an FSDP2 model's gradients are reduced by FSDP: pass no reduction=" in run.output, run.output[-3000:]

@@ -95,8 +95,6 @@ def main(ctx) -> None:
         return torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=args.steps)
 
     checkpoint = job_checkpoint(args)
-    if args.scaler and args.zero:
-        raise SystemExit("--scaler: a GradScaler with a ZeroRedundancyOptimizer is not supported yet")
     # growth every 3 clean steps: the scale moves within a short job (a state that must be kept exactly)
     scaler = torch.amp.GradScaler(device.type, init_scale=2.0 ** 12, growth_interval=3) if args.scaler else None
     if mesh is not None:
@@ -109,7 +107,7 @@ def main(ctx) -> None:
         ctx.register(model, optimizer, make_scheduler(optimizer), checkpoint=checkpoint, scaler=scaler)
     elif args.zero:  # built by hp once the process group exists (a spare has none yet)
         ctx.register(model, lambda params: ZeroRedundancyOptimizer(params, torch.optim.AdamW, lr=3e-3),
-                     make_scheduler, checkpoint=checkpoint)
+                     make_scheduler, checkpoint=checkpoint, scaler=scaler)  # with a scaler: refused in one line
     else:
         optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
         ctx.register(model, optimizer, make_scheduler(optimizer), checkpoint=checkpoint, scaler=scaler,

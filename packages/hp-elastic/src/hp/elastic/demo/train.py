@@ -54,8 +54,6 @@ def main(ctx) -> None:
     sampler = StepSampler(len(Windows(cache, args.seq)), geometry=policy, seed=args.seed)
     loader = StepLoader(Windows(cache, args.seq), sampler)
 
-    if args.hsdp_shard and (args.exact or args.zero):
-        raise SystemExit("--hsdp-shard: FSDP2 reduces the gradients itself (no --exact) and shards the optimizer (no --zero)")
     mesh = ctx.device_mesh(shard=args.hsdp_shard) if args.hsdp_shard else None  # a joiner waits here for its rank
     torch.manual_seed(args.seed)
     model = build_model(args.model_size, args.vocab, args.seq, args.dropout)
