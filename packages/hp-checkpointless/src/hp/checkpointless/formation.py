@@ -79,6 +79,14 @@ class Formation:
     def _first_generation(self, start_generation: int) -> int:
         return max(self._assigned if self.spare_id is not None else start_generation, self._retry)
 
+    def assigned_world(self) -> int | None:
+        """A hot spare given a rank: the world size of the generation that gave it (None: not a spare, or
+        that plan is gone)."""
+        if self.spare_id is None or self.rank < 0:
+            return None
+        plan = self._view.plan(self._assigned)
+        return plan.world_size if plan is not None else None
+
     def assign(self, st: TrainingState | None) -> int:
         """A hot spare: say it is ready, wait until the controller gives it a rank; returns the rank.
         ``st``: the training state when registered (a receive buffer for its hydration is prepared while

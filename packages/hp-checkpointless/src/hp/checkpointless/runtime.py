@@ -100,6 +100,7 @@ class Context:
         spare_id = env.get("HP_SPARE_ID") if env.get("HP_ROLE", "worker") == "spare" else None
         rank = int(env["RANK"]) if spare_id is None else -1
         self._env_world_size = int(env["WORLD_SIZE"])
+        self._mesh_args: tuple[int | None, int | None] = (None, None)  # ctx.device_mesh()'s, once called
         self._start_generation = int(env["HP_GENERATION"])
         self.last_loss: float | None = None
         store_addr = (env["MASTER_ADDR"], int(env["MASTER_PORT"]))
@@ -197,18 +198,22 @@ class Context:
         (:mod:`hp.checkpointless.fsdp`). The job's first process group forms here, and a hot spare waits
         here until it is given a rank (its shards depend on it). Call it once, before sharding the model
         and ``ctx.register``."""
-        layout = MeshLayout.of(self._env_world_size, replicate, shard)
         mesh = self._link.mesh
         if mesh is not None:
-            if mesh.layout != layout:
-                raise UsageError(f"ctx.device_mesh() was called for {mesh.layout.sizes}, now {layout.sizes}")
+            if self._mesh_args != (replicate, shard):
+                raise UsageError(f"ctx.device_mesh() was called with replicate={self._mesh_args[0]}, "
+                                 f"shard={self._mesh_args[1]}, now with replicate={replicate}, shard={shard}")
             return mesh.device_mesh
         if self._training is not None:
             raise UsageError("call ctx.device_mesh() before ctx.register(...)")
+        MeshLayout.of(self._env_world_size, replicate, shard)  # bad arguments: one line, before a spare waits
         if self._formation.rank < 0:
             warm_optimizer_imports()  # a spare builds its model and optimizer once promoted: not the imports
         rank = self._formation.rank if self._formation.rank >= 0 else self._formation.assign(None)
+        # a spare's mesh is of the generation it joins (an elastic job's size may have changed since it started)
+        layout = MeshLayout.of(self._formation.assigned_world() or self._env_world_size, replicate, shard)
         device_type = torch.device(self._transport.device_for(0)).type
+        self._mesh_args = (replicate, shard)
         self._link.mesh = GenerationMesh(layout, rank, device_type, before=self._before_collective)
         # torch's mesh needs a default group to shard on: the first generation forms now, and settles
         # (agreement, hydration) in ctx.steps()
