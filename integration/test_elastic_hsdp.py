@@ -9,6 +9,8 @@ on the smaller mesh. The processes started in the freed slots join once ready an
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from hp.checkpointless.demo.run import RunResult, final_states
@@ -111,3 +113,53 @@ def test_exact_mode_with_an_fsdp_model_is_refused_in_one_line(job):
     run = job("exact", 2, exact=True)
     assert run.returncode != 0
     assert "an FSDP2 model's gradients are reduced by FSDP: pass no reduction=" in run.output, run.output[-3000:]
+
+
+def test_a_node_joining_grows_the_job_by_a_replica_group_whose_shards_come_from_the_first(job, tmp_path):
+    """The job starts as 1 x 2 on node 0; node 1's agent (two processes) joins the running job: once both
+    are ready the job grows to 2 x 2 at a step boundary, each newcomer copying its shard from the rank of
+    replica group 0 that holds it (their environment says nothing of the mesh they join: a spare's mesh is
+    the generation's that gives it its rank)."""
+    import socket
+    import subprocess
+    import sys
+    import time
+
+    from hp.checkpointless.events import read_events
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    steps, logs = 200, tmp_path / "grow"  # node 1 starts cold (its agent, fork server, imports) while the job trains
+    flags = ["--nnodes", "1:2", "--nproc-per-node", "2", "--rdzv-endpoint", f"127.0.0.1:{port}", "--scaling-policy",
+             str(tmp_path / "policy.yaml"), "--tee", "0", "--monitor-interval", "0.05"]
+    train = ["-m", "hp.elastic.demo.train", "--steps", str(steps), "--policy", str(tmp_path / "policy.yaml"),
+             "--hsdp-shard", "2", "--dropout", "0", "--corpus-mb", "2"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HP_JOB_TOKEN": os.urandom(16).hex()}
+    agents = []
+    try:
+        for node in (0, 1):
+            if node == 1:  # once the job trains at 2
+                deadline = time.monotonic() + 120
+                while not any(e["event"] == "commit" for e in read_events(str(logs / "node0" / "events"))):
+                    assert time.monotonic() < deadline and agents[0].poll() is None, "node 0 never committed a step"
+                    time.sleep(0.2)
+            out = open(logs.parent / f"grow-node{node}.out", "w")
+            agents.append(subprocess.Popen([sys.executable, "-m", "hp.core.cli", "run", *flags, "--node-rank", str(node),
+                                            "--log-dir", str(logs / f"node{node}"), *train], stdout=out,
+                                           stderr=subprocess.STDOUT, env=env, start_new_session=True))
+        codes = [a.wait(timeout=300) for a in agents]
+    finally:
+        for a in agents:
+            if a.poll() is None:
+                os.killpg(a.pid, 9)
+                a.wait()
+    assert codes == [0, 0], (logs.parent / "grow-node0.out").read_text()[-3000:]
+    events = sorted(read_events(str(logs / "node0" / "events")) + read_events(str(logs / "node1" / "events")),
+                    key=lambda e: e["t"])
+    result = RunResult(0, 0.0, events, "")
+    assert sizes(events) == [2, 4], sizes(events)
+    assert lost_steps(events, steps) == 0
+    rebuilt = sorted((e["rank"], e["buddy"]) for e in events if e["event"] == "shard_rebuilt")
+    assert rebuilt == [(2, 0), (3, 1)], rebuilt
+    assert_replicas_equal(result)
