@@ -10,12 +10,22 @@ on the smaller mesh. The processes started in the freed slots join once ready an
 from __future__ import annotations
 
 import os
+import socket
+import subprocess
+import sys
+import time
 
 import pytest
-
 from hp.checkpointless.demo.run import RunResult, final_states
+from hp.checkpointless.events import read_events
 from hp.core.testing import kill_tagged
-from hp.elastic.demo.run import ElasticDemoConfig, commits, lost_steps, one_node_run, world_by_step
+from hp.elastic.demo.run import (
+    ElasticDemoConfig,
+    commits,
+    lost_steps,
+    one_node_run,
+    world_by_step,
+)
 
 pytestmark = pytest.mark.slow
 STEPS = 16
@@ -120,13 +130,6 @@ def test_a_node_joining_grows_the_job_by_a_replica_group_whose_shards_come_from_
     are ready the job grows to 2 x 2 at a step boundary, each newcomer copying its shard from the rank of
     replica group 0 that holds it (their environment says nothing of the mesh they join: a spare's mesh is
     the generation's that gives it its rank)."""
-    import socket
-    import subprocess
-    import sys
-    import time
-
-    from hp.checkpointless.events import read_events
-
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -144,10 +147,10 @@ def test_a_node_joining_grows_the_job_by_a_replica_group_whose_shards_come_from_
                 while not any(e["event"] == "commit" for e in read_events(str(logs / "node0" / "events"))):
                     assert time.monotonic() < deadline and agents[0].poll() is None, "node 0 never committed a step"
                     time.sleep(0.2)
-            out = open(logs.parent / f"grow-node{node}.out", "w")
-            agents.append(subprocess.Popen([sys.executable, "-m", "hp.core.cli", "run", *flags, "--node-rank", str(node),
-                                            "--log-dir", str(logs / f"node{node}"), *train], stdout=out,
-                                           stderr=subprocess.STDOUT, env=env, start_new_session=True))
+            with open(logs.parent / f"grow-node{node}.out", "w") as out:  # the agent keeps its own descriptor
+                agents.append(subprocess.Popen([sys.executable, "-m", "hp.core.cli", "run", *flags, "--node-rank",
+                                                str(node), "--log-dir", str(logs / f"node{node}"), *train], stdout=out,
+                                               stderr=subprocess.STDOUT, env=env, start_new_session=True))
         codes = [a.wait(timeout=300) for a in agents]
     finally:
         for a in agents:
