@@ -161,15 +161,6 @@ def _write(out: Path, rank: int, params: int, times: list[tuple[float, float]], 
         "tail": [t[0] - t[1] for t in timed]}))
 
 
-def _shard(model, mesh):  # noqa: ANN001, ANN202
-    """FSDP2 as torchtitan applies it: each transformer layer, then the root."""
-    from torch.distributed.fsdp import fully_shard
-
-    for layer in model.blocks.layers:
-        fully_shard(layer, mesh=mesh)
-    return fully_shard(model, mesh=mesh)
-
-
 def _train_plain(out: Path, cfg: StepBenchConfig, fsdp: bool) -> None:
     import torch
     import torch.distributed as dist
@@ -177,10 +168,12 @@ def _train_plain(out: Path, cfg: StepBenchConfig, fsdp: bool) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.nn.parallel import DistributedDataParallel as DDP
 
+    from hp.checkpointless.demo.model import shard_model
+
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     batches, model = _setup(cfg)
-    model = _shard(model, init_device_mesh("cpu", (world,))) if fsdp else DDP(model)
+    model = shard_model(model, init_device_mesh("cpu", (world,))) if fsdp else DDP(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4)
     times = []
     for step in range(cfg.warmup + cfg.steps):
@@ -201,6 +194,7 @@ def _train_hp(out: Path, cfg: StepBenchConfig, overlap: bool, fsdp: bool) -> Non
     import torch.nn.functional as F
 
     from hp.checkpointless import recoverable
+    from hp.checkpointless.demo.model import shard_model
     from hp.checkpointless.overlap import OverlappedMeanReduction
 
     @recoverable
@@ -208,7 +202,7 @@ def _train_hp(out: Path, cfg: StepBenchConfig, overlap: bool, fsdp: bool) -> Non
         mesh = ctx.device_mesh() if fsdp else None
         batches, model = _setup(cfg)
         if mesh is not None:
-            model = _shard(model, mesh)
+            model = shard_model(model, mesh)
         optimizer = torch.optim.AdamW(model.parameters(), lr=3e-4)
         ctx.register(model, optimizer, reduction=OverlappedMeanReduction() if overlap else None)
         times = []

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -29,3 +31,12 @@ class TinyGPT(nn.Module):
 def build_model(size: str, vocab: int, seq: int, dropout: float = 0.0) -> TinyGPT:
     d_model, layers, heads = MODEL_SIZES[size]
     return TinyGPT(vocab=vocab, d_model=d_model, layers=layers, heads=heads, seq=seq, dropout=dropout)
+
+
+def shard_model(model: TinyGPT, mesh: Any) -> TinyGPT:
+    """FSDP2 as torchtitan applies it: each transformer layer, then the root (``mesh``: ``ctx.device_mesh()``'s)."""
+    from torch.distributed.fsdp import fully_shard
+
+    for layer in model.blocks.layers:
+        fully_shard(layer, mesh=mesh)
+    return fully_shard(model, mesh=mesh)

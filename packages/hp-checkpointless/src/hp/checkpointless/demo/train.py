@@ -16,7 +16,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from hp.checkpointless import StepLoader, StepSampler, recoverable
 from hp.checkpointless.overlap import OverlappedMeanReduction
 from hp.checkpointless.data import Batches, TokenCache, Windows, synthetic_corpus, tokenize
-from hp.checkpointless.demo.model import MODEL_SIZES, build_model
+from hp.checkpointless.demo.model import MODEL_SIZES, build_model, shard_model
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -98,11 +98,7 @@ def main(ctx) -> None:
     # growth every 3 clean steps: the scale moves within a short job (a state that must be kept exactly)
     scaler = torch.amp.GradScaler(device.type, init_scale=2.0 ** 12, growth_interval=3) if args.scaler else None
     if mesh is not None:
-        from torch.distributed.fsdp import fully_shard
-
-        for layer in model.blocks.layers:
-            fully_shard(layer, mesh=mesh)
-        fully_shard(model, mesh=mesh)
+        shard_model(model, mesh)
         optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
         ctx.register(model, optimizer, make_scheduler(optimizer), checkpoint=checkpoint, scaler=scaler)
     elif args.zero:  # built by hp once the process group exists (a spare has none yet)

@@ -18,7 +18,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from hp.checkpointless import StepLoader, StepSampler, recoverable
 from hp.checkpointless.data import TokenCache, Windows, synthetic_corpus, tokenize
-from hp.checkpointless.demo.model import MODEL_SIZES, build_model
+from hp.checkpointless.demo.model import MODEL_SIZES, build_model, shard_model
 from hp.checkpointless.demo.train import add_checkpoint_args, job_checkpoint
 from hp.core.protocol import SCALING_POLICY_ENV
 from hp.elastic.lr import on_scale_lr
@@ -58,11 +58,7 @@ def main(ctx) -> None:
     torch.manual_seed(args.seed)
     model = build_model(args.model_size, args.vocab, args.seq, args.dropout)
     if mesh is not None:
-        from torch.distributed.fsdp import fully_shard
-
-        for layer in model.blocks.layers:
-            fully_shard(layer, mesh=mesh)
-        fully_shard(model, mesh=mesh)
+        shard_model(model, mesh)
     # the LR of the world size the job starts at (a joiner's is replaced by its peers' when it hydrates)
     start_world = ctx.world_size if policy.allows(ctx.world_size) else policy.min_replicas
     lr = policy.lr_for(start_world) if policy.lr is not None or policy.lr_table else 3e-3
