@@ -18,7 +18,7 @@ class UnitScaler:
     """Any size in [min, max] (the durability tests need a scaler, not its policy)."""
 
     def __init__(self, min_replicas: int, max_replicas: int) -> None:
-        self.min_replicas, self.max_replicas = min_replicas, max_replicas
+        self.min_replicas, self.max_replicas, self.unit = min_replicas, max_replicas, 1
 
     def target(self, world: int, capacity: int, event: ScaleEvent) -> ScaleTarget:
         return ScaleTarget(max(self.min_replicas, min(capacity, self.max_replicas)), "test")

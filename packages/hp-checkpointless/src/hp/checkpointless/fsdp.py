@@ -174,8 +174,9 @@ class ShardedModel:
             p.grad = None
 
     def finite_grads(self) -> bool:
-        """Whether every reduced gradient of this rank's shard is finite."""
-        return all(bool(torch.isfinite(p.grad.to_local()).all()) for p in self.params if p.grad is not None)
+        """Whether every reduced gradient of this rank's shard is finite (one host sync, not one a parameter)."""
+        checks = [torch.isfinite(p.grad.to_local()).all() for p in self.params if p.grad is not None]
+        return bool(torch.stack(checks).all()) if checks else True
 
     def scale_grads(self, factor: float) -> None:
         """Multiply this rank's reduced gradients of its shard by ``factor`` (in place, local tensors)."""

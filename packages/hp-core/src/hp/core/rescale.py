@@ -84,9 +84,8 @@ class ElasticController(Controller):
         ``[k * unit, (k + 1) * unit)``: an HSDP shard group, say, whose shards exist only together. Ranks
         leave by whole units, so that the ranks that stay keep their place in a unit (their rank modulo the
         unit) through the stable renumbering: an HSDP rank keeps the shard it holds."""
-        unit = max(1, int(getattr(self.scaler, "unit", 1)))
-        units = {r // unit for r in ranks}
-        return {r for r in self.members if r // unit in units}
+        units = {r // self.scaler.unit for r in ranks}
+        return {r for r in self.members if r // self.scaler.unit in units}
 
     def _leaving(self, going: set[int], target: int) -> set[int]:
         """``going`` (already whole units) and, while the job is above ``target``, its highest other ranks."""

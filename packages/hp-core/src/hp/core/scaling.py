@@ -36,10 +36,11 @@ class ScaleTarget:
 @runtime_checkable
 class Scaler(Protocol):
     """``unit``: world sizes are multiples of it, and ranks leave by whole units of consecutive ranks
-    (the controller reads it with ``getattr(scaler, "unit", 1)``: a scaler without it has unit 1)."""
+    (1: any rank alone)."""
 
     min_replicas: int
     max_replicas: int
+    unit: int
 
     def target(self, world: int, capacity: int, event: ScaleEvent) -> ScaleTarget:
         """The world size after ``event`` at ``world``, with ``capacity`` ranks the cluster can give
