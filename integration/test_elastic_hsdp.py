@@ -10,15 +10,13 @@ on the smaller mesh. The processes started in the freed slots join once ready an
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
-import time
 
 import pytest
 from hp.checkpointless.demo.run import RunResult, final_states
 from hp.checkpointless.events import read_events
-from hp.core.testing import kill_tagged
+from hp.core.testing import free_port, kill_tagged, wait_for
 from hp.elastic.demo.run import (
     ElasticDemoConfig,
     commits,
@@ -130,9 +128,7 @@ def test_a_node_joining_grows_the_job_by_a_replica_group_whose_shards_come_from_
     are ready the job grows to 2 x 2 at a step boundary, each newcomer copying its shard from the rank of
     replica group 0 that holds it (their environment says nothing of the mesh they join: a spare's mesh is
     the generation's that gives it its rank)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     steps, logs = 200, tmp_path / "grow"  # node 1 starts cold (its agent, fork server, imports) while the job trains
     flags = ["--nnodes", "1:2", "--nproc-per-node", "2", "--rdzv-endpoint", f"127.0.0.1:{port}", "--scaling-policy",
              str(tmp_path / "policy.yaml"), "--tee", "0", "--monitor-interval", "0.05"]
@@ -143,10 +139,9 @@ def test_a_node_joining_grows_the_job_by_a_replica_group_whose_shards_come_from_
     try:
         for node in (0, 1):
             if node == 1:  # once the job trains at 2
-                deadline = time.monotonic() + 120
-                while not any(e["event"] == "commit" for e in read_events(str(logs / "node0" / "events"))):
-                    assert time.monotonic() < deadline and agents[0].poll() is None, "node 0 never committed a step"
-                    time.sleep(0.2)
+                wait_for(lambda: agents[0].poll() is not None or any(
+                    e["event"] == "commit" for e in read_events(str(logs / "node0" / "events"))), 120, "node 0's first commit")
+                assert agents[0].poll() is None, (logs.parent / "grow-node0.out").read_text()[-3000:]
             with open(logs.parent / f"grow-node{node}.out", "w") as out:  # the agent keeps its own descriptor
                 agents.append(subprocess.Popen([sys.executable, "-m", "hp.core.cli", "run", *flags, "--node-rank",
                                                 str(node), "--log-dir", str(logs / f"node{node}"), *train], stdout=out,
