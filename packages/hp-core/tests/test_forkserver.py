@@ -132,3 +132,22 @@ def test_workers_of_either_start_method_share_the_agent_s_console_and_run_atexit
     for rank in range(2):
         assert f"rank {rank} started" in job.output and f"atexit of rank {rank}" in job.output, job.output
         assert not (tmp_path / "logs" / f"rank{rank}" / "attempt_0" / "stdout.log").exists()
+
+
+def test_nothing_the_agent_started_outlives_it_a_plain_script_stuck_at_exit_included(launch, tmp_path):
+    """An agent SIGKILLed (a CI timeout, an OOM kill) takes its fork server, the workers forked from it and
+    multiprocessing's resource tracker with it, even when a worker is a plain script that would never exit
+    on its own (one stuck at its exit, as a DDP script in gloo's teardown was)."""
+    script = tmp_path / "w.py"
+    script.write_text(JOB_SCRIPT.replace('"finish"', '"never"'))
+    job = launch("run", "--nproc-per-node", "2", "--tee", "0", "--log-dir", str(tmp_path / "logs"), str(script))
+    wait_for(lambda: all((tmp_path / f"started{r}").exists() for r in range(2)), what="2 workers to start")
+    server = _forkserver_of(job.proc.pid)
+    tag = f"HP_TEST_DIR={tmp_path}"
+    from hp.core.testing import tagged_pids
+
+    started = set(tagged_pids(tag))
+    assert server in started and len(started) >= 5, started  # agent, server, tracker, 2 workers
+    os.kill(job.proc.pid, signal.SIGKILL)
+    job.proc.wait()
+    wait_for(lambda: not tagged_pids(tag), 20, f"every process of the agent to end (left: {tagged_pids(tag)})")

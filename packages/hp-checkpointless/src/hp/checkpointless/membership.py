@@ -31,6 +31,7 @@ from hp.core.protocol import (
     SpareAssignment, arrive_prefix, plan_key, spare_key,
 )
 from hp.core.signed_values import Refusals, unseal
+from hp.core.worker_signals import parent_death_signal
 
 ARRIVE_SLICE_S = 2.0  # with a channel: a rank blocked in the arrival barrier looks whether the job finished this often
 WATCH_WAKE_S = 5.0  # with a channel: the watch thread re-waits this often (a change or a stop wakes it at once)
@@ -272,6 +273,8 @@ class Watch:
                          threading.Thread(target=self._watch_loop, name="hp-watch", daemon=True)]
 
     def start(self) -> Watch:
+        if self._on_orphaned is not None:  # this watch says why the rank leaves when its agent dies
+            parent_death_signal(0)
         self.beat()
         for thread in self._threads:
             thread.start()

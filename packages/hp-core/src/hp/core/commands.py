@@ -121,12 +121,12 @@ def _run(args: argparse.Namespace) -> int:
     cfg.validate()
     scaler = load_scaler(cfg.scaling_policy) if cfg.scaling_policy is not None else None
     token = read_token(args, required=cfg.nnodes > 1 or (cfg.max_nnodes or 1) > 1 or cfg.external_controller)
-    if cfg.start_method == "forkserver":  # its imports run beside this process's own (torch, below)
-        from hp.core import fork_context
-
-        fork_context.warm(cfg.worker_thread_env())
     from hp.core.agent import Agent  # imports torch: only once the arguments are known to be good
 
+    if cfg.start_method == "forkserver":  # forked from this process, before it starts its threads
+        from hp.core import fork_context
+
+        fork_context.fork_here(cfg.worker_thread_env())
     _exit_now(Agent(cfg, token, scaler).run())
 
 

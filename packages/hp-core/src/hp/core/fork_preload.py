@@ -1,28 +1,17 @@
-"""What hp's fork server (:mod:`hp.core.forkserver`) imports before it forks a worker.
-
-First, SIGTERM is blocked, before torch starts any thread: the server is a process of the node's job
-step, and Slurm signals every process of a step at a preemption notice. A server that died of it would
-leave the workers it forked re-parented, and they would take their agent for dead and exit mid-step
-(:mod:`hp.core.worker_signals` is how the workers themselves leave that signal to the agent). The server
-still ends with its agent: multiprocessing's server exits when the agent's end of its pipe closes.
-
-Then what every worker imports (torch, its distributed and optimizer packages, and ``torch._dynamo``,
-which the first ``Optimizer.add_param_group`` imports: ~3 of a worker's ~6 CPU s of start on the 2-core
-box), and what the forked child runs. Last, :func:`gc.freeze`: what was imported is never traversed by
-a child's garbage collections, and its pages stay shared with the server's.
+"""What a fork server started as a new interpreter (:func:`hp.core.fork_context.warm`) imports before it
+forks a worker: SIGTERM blocked first, before torch starts any thread (see
+:func:`hp.core.fork_context.become_server`), then what every worker imports
+(:func:`hp.core.fork_context.import_preloaded`), then the rest of becoming the server.
 """
 
 import signal
 
 signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM})
 
-import gc  # noqa: E402
+import os  # noqa: E402
 
-import torch  # noqa: E402, F401
-import torch._dynamo  # noqa: E402, F401
-import torch.distributed  # noqa: E402, F401
-import torch.optim  # noqa: E402, F401
+from hp.core import fork_context  # noqa: E402
 
-import hp.core.forkserver  # noqa: E402, F401
-
-gc.freeze()
+fork_context.import_preloaded()
+_parent = os.environ.get(fork_context.PARENT_ENV, "")
+fork_context.become_server(int(_parent) if _parent.isdigit() else None, {})

@@ -40,6 +40,7 @@ from torch.distributed.elastic.multiprocessing.tail_log import TailLog
 
 from hp.core import worker_main
 from hp.core.fork_context import context as _context
+from hp.core.worker_signals import parent_death_signal, set_title
 from hp.core.workers import ExitStatus, Worker, exit_status
 
 
@@ -57,10 +58,15 @@ def _let_the_server_go() -> None:
         server._forkserver_alive_fd = None
 
 
-def _run(command: list[str], env: dict[str, str], stdout: str, stderr: str) -> None:
+def _run(command: list[str], env: dict[str, str], stdout: str, stderr: str, name: str = "worker") -> None:
     """In the forked child: become the worker ``command`` would have started. An empty log path keeps
     the stream the server inherited from the agent."""
+    set_title(f"hp {name}: {' '.join(command)}")  # ps would show the server's otherwise
     os.setsid()  # a session of its own, as elastic gives its workers: signals to the agent's group miss it
+    server = os.getppid()
+    parent_death_signal(signal.SIGKILL)  # with the server, so with the agent (hp's runtime clears it)
+    if os.getppid() != server:
+        os._exit(1)
     _let_the_server_go()
     # multiprocessing set this child's start method to the server's (forkserver): a script's DataLoader
     # workers would then be forked by a server of their own that re-runs the script to find its __main__
@@ -111,7 +117,7 @@ class ForkedWorker(Worker):
         out = os.path.join(d, "stdout.log") if tee & Std.OUT else ""
         err = os.path.join(d, "stderr.log") if tee & Std.ERR else ""
         self.exit = None
-        self._proc = _context().Process(target=_run, args=(self.command, env, out, err), name=self.name, daemon=False)
+        self._proc = _context().Process(target=_run, args=(self.command, env, out, err, self.name), name=self.name, daemon=False)
         self._proc.start()
         self.pid = self._proc.pid
         prefix = {0: f"[{self.name}]:"}  # elastic's tee: the file, copied to the agent's console

@@ -117,6 +117,20 @@ def hp_scaler(policy: str) -> Scaler | None:
 
 
 @hookspec
+def hp_forkserver_preload() -> list[str]:
+    """Modules the node's fork server imports before it forks workers (collecting hook).
+
+    Every worker and spare of ``hp run --start-method forkserver`` is forked from one process per node
+    that has already imported torch (:mod:`hp.core.fork_context`). A package whose runtime every worker
+    of a job imports names its modules here, so that a worker (and a replacement forked while the job
+    waits for it) does not pay for them again. Import only what has no side effects beyond defining
+    names: the modules are imported once per node, before any worker exists.
+
+    :return: importable module names.
+    """
+
+
+@hookspec
 def hp_cli_commands(subparsers: argparse._SubParsersAction) -> None:
     """Add ``hp`` sub-commands (family ``cli``).
 

@@ -45,6 +45,31 @@ def pid_alive(pid: int) -> bool:
     return True
 
 
+def parent_death_signal(sig: int) -> None:
+    """Have the kernel send ``sig`` to this process when its parent dies (``prctl(PR_SET_PDEATHSIG)``; 0
+    clears it). A worker forked by its node's fork server dies with the server, which dies with its agent
+    (:mod:`hp.core.fork_context`): nothing ``hp run`` started outlives it, a script stuck at its exit
+    included. hp's runtime clears it and leaves on its own, saying why (its orphan watch). Linux only;
+    elsewhere nothing is done."""
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, int(sig), 0, 0, 0)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def set_title(title: str) -> None:
+    """What ``ps`` and ``/proc/<pid>/cmdline`` show for this process (a forked worker shows its server's
+    command line otherwise). Its environment stays readable in ``/proc/<pid>/environ`` (``SPT_NOENV``: the
+    title is cut to the original command line's length instead)."""
+    os.environ.setdefault("SPT_NOENV", "1")
+    from setproctitle import setproctitle
+
+    setproctitle(title)
+
+
 def _say(line: str) -> None:
     print(f"hp worker: {line}", file=sys.stderr, flush=True)
 

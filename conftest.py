@@ -1,0 +1,37 @@
+"""The suite's schedule: longest tests first, from the newest durations results file.
+
+``pytest -n 2`` hands tests to its two workers in collection order and lets an idle worker take
+pending tests from the other (``--dist worksteal``, pytest.ini). A long test collected last runs
+alone while the other worker idles: ordering by the durations of the last measured run
+(``benchmarks/results/*-suite-*.json``, written by ``scripts/suite_durations.py``) lets the two workers
+finish together. A test the file does not know yet (new or renamed) goes first, as if it were long.
+Only the order changes, never what runs.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent
+UNKNOWN_S = 60.0  # a test not in the file: scheduled as a long one, so that it never runs alone at the end
+
+
+def _durations() -> dict[str, float]:
+    files = sorted((ROOT / "benchmarks" / "results").glob("*-suite-*.json"))
+    if not files:
+        return {}
+    try:
+        return {t["id"]: float(t["s"]) for t in json.loads(files[-1].read_text())["tests"]}
+    except (OSError, ValueError, KeyError, TypeError):
+        return {}
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config, items: list[pytest.Item]) -> None:
+    known = _durations()
+    if not known:
+        return
+    items.sort(key=lambda item: -known.get(item.nodeid, UNKNOWN_S))  # stable: ties keep collection order
