@@ -1,7 +1,7 @@
 """The suite's schedule: longest tests first, from the newest durations results file.
 
-``pytest -n 2`` hands tests to its two workers in collection order and lets an idle worker take
-pending tests from the other (``--dist worksteal``, pytest.ini). A long test collected last runs
+``pytest -n 2`` (``--dist worksteal``, pytest.ini) gives each worker a contiguous share of the collected
+tests and lets an idle worker take the end of another's queue. A long test collected last runs
 alone while the other worker idles: ordering by the durations of the last measured run
 (``benchmarks/results/*-suite-*.json``, written by ``scripts/suite_durations.py``) lets the two workers
 finish together. A test the file does not know yet (new or renamed) goes first, as if it were long.
@@ -35,3 +35,8 @@ def pytest_collection_modifyitems(session: pytest.Session, config: pytest.Config
     if not known:
         return
     items.sort(key=lambda item: -known.get(item.nodeid, UNKNOWN_S))  # stable: ties keep collection order
+    # worksteal hands worker k the k-th contiguous share of this list, and an idle worker takes the end of
+    # another's queue: deal the sorted list out like cards so that every share runs longest first and the
+    # shares are about equally long
+    workers = int(getattr(config, "workerinput", {}).get("workercount", 1))
+    items[:] = [item for k in range(workers) for item in items[k::workers]]
