@@ -79,7 +79,10 @@ def test_a_replica_group_lost_at_the_first_step_leaves_the_job_training_as_one_b
     """Killed in step 0's forward: the job replays it at 1 x 2, bit for bit what a job started at 2 ranks
     computes, step after step, until the freed slots' processes grow it back to 2 x 2."""
     born = job("born-at-2", 2)
-    shrunk = job("shrunk-at-0", 4, kill(0))
+    # the freed slots' new processes are forked ready in well under a second: two slowed steps at 1 x 2 (a
+    # sleep, no bit changes) keep the grow back from coming before there are two steps to compare
+    slowed = {"kind": "slow", "at_step": 1, "steps": 2, "delay_s": 1.5, "rank": 0, "phase": "forward"}
+    shrunk = job("shrunk-at-0", 4, [*kill(0), slowed])
     assert born.returncode == 0 and shrunk.returncode == 0, (born.output[-2000:], shrunk.output[-2000:])
     assert sizes(born.events) == [2]
     assert sizes(shrunk.events)[0] == 2 and sizes(shrunk.events) in ([2], [2, 4]), sizes(shrunk.events)
