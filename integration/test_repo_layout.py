@@ -263,23 +263,42 @@ def _run(cmd: list[str], timeout: float = 600, **kw) -> subprocess.CompletedProc
     return out
 
 
-@pytest.fixture(scope="module")
+def _once_per_session(tmp_path_factory, name: str, make) -> Path:
+    """``make(folder)`` run once for the whole session, whichever xdist worker needs it first (the other
+    waits on a lock, then reuses the folder): the install tests of one session share one build."""
+    import fcntl
+
+    base = tmp_path_factory.getbasetemp()
+    root = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base  # popen-gwN's parent: the session's
+    folder, done = root / f"repo-layout-{name}", root / f"repo-layout-{name}.done"
+    with open(root / f"repo-layout-{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not done.exists():
+            shutil.rmtree(folder, ignore_errors=True)
+            folder.mkdir()
+            make(folder)
+            done.touch()
+    return folder
+
+
+@pytest.fixture(scope="session")
 def wheels(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("wheels")
-    for dist in DISTS:  # from copies: setuptools reuses a stale build/ dir, which would race other builds
-        src = tmp_path_factory.mktemp(dist)
-        shutil.copytree(ROOT / "packages" / dist, src / dist,
-                        ignore=shutil.ignore_patterns("build", "*.egg-info", "__pycache__"))
-        _run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(out),
-              str(src / dist)])
-    return out
+    def build(out: Path) -> None:
+        for dist in DISTS:  # from copies: setuptools reuses a stale build/ dir, which would race other builds
+            src = out.parent / f"{out.name}-src" / dist
+            shutil.rmtree(src, ignore_errors=True)
+            shutil.copytree(ROOT / "packages" / dist, src, ignore=shutil.ignore_patterns("build", "*.egg-info",
+                                                                                        "__pycache__"))
+            _run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(out),
+                  str(src)])
+
+    return _once_per_session(tmp_path_factory, "wheels", build)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def torch_dir(tmp_path_factory) -> Path:
-    target = tmp_path_factory.mktemp("torch")
-    _run([sys.executable, "-m", "pip", "install", "-q", "--no-compile", "--no-deps", "--target", str(target), TORCH])
-    return target
+    return _once_per_session(tmp_path_factory, "torch", lambda target: _run(
+        [sys.executable, "-m", "pip", "install", "-q", "--no-compile", "--no-deps", "--target", str(target), TORCH]))
 
 
 def _requirements(wheel: Path) -> list[str]:
