@@ -42,7 +42,10 @@ def test_shrink_grow_preempt_rejoin_is_bit_identical_to_the_fixed_size_run(tmp_p
     assert [e["kind"] for e in result["events"]] == ["shrink", "grow", "preempt", "grow"]
     assert result["lost_steps"] == 0
     assert result["losses_equal"] is True and result["state_equal"] is True and result["bitwise_equal"] is True
-    assert len(result["pause_s"]) == 4 and all(p < 30 for p in result["pause_s"])  # a hang bound, not a figure
+    # a hang bound, not a figure: each event's pause, or its whole gap where the job held the new size for a
+    # single step and so has no step time there (pause NaN; the chaos verdict's rule, hp.chaos.runner)
+    assert len(result["pause_s"]) == 4
+    assert all((e["pause_s"] if e["pause_s"] == e["pause_s"] else e["gap_s"]) < 30 for e in result["events"])
     assert result["preempt_exit_s"] is not None and result["preempt_exit_s"] < 30  # within the 30 s grace
     assert Path(result["png"]).is_file()
 

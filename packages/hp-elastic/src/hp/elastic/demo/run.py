@@ -13,9 +13,7 @@ Both are real ``hp run`` jobs on this host (CPU gloo). The elastic one is two ag
 
 What the report says comes from the jobs' event logs: per step the world size, the loss bits and the
 commit time. ``pause_s`` of an event = (first commit at the new world size) − (last commit at the old
-one) − (the median step time at the new size): the time the event cost beyond a normal step. A size the
-job held for a single step (its replacement joined at once) has no step time of its own: the median over
-every size stands in for it.
+one) − (the median step time at the new size): the time the event cost beyond a normal step.
 """
 
 from __future__ import annotations
@@ -175,9 +173,8 @@ def scale_events(events: list[dict]) -> list[dict]:
     for before, after in zip(steps, steps[1:]):
         if worlds[before] == worlds[after]:
             continue
-        pairs = [(a, b) for a, b in zip(steps, steps[1:]) if worlds[a] == worlds[b] and b == a + 1]
-        step_s = statistics.median([t[b] - t[a] for a, b in pairs if worlds[a] == worlds[after]]
-                                   or [t[b] - t[a] for a, b in pairs] or [float("nan")])
+        step_s = statistics.median([t[b] - t[a] for a, b in zip(steps, steps[1:])
+                                    if worlds[a] == worlds[b] == worlds[after] and b == a + 1] or [float("nan")])
         window = [e for e in events if t[before] <= e["t"] <= t[after]]
         first = lambda name: min((e["t"] - t[before] for e in window if e["event"] == name), default=None)  # noqa: E731
         last = lambda name: max((e["t"] - t[before] for e in window if e["event"] == name), default=None)  # noqa: E731
