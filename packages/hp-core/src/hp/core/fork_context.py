@@ -52,7 +52,7 @@ def import_preloaded() -> None:
 def become_server(parent: int | None, env: dict[str, str]) -> None:
     """What the server does before it serves, however it was started: it dies with the agent that started
     it (``parent``; a server that outlived its agent would keep the workers it forked and multiprocessing's
-    resource tracker alive), ignores SIGTERM (Slurm signals every process of a job step at a preemption
+    resource tracker alive), blocks SIGTERM (Slurm signals every process of a job step at a preemption
     notice; a server that died of it would orphan the workers), sizes torch's threads as the workers' and
     freezes what it imported (never traversed by a child's garbage collections, its pages stay shared)."""
     from hp.core.worker_signals import set_title

@@ -5,8 +5,10 @@ measured on the 2-core box, and ~1.5 CPU s more for the interpreter's teardown o
 exit. A node's ranks and spares all pay it at once, and a replacement pays it while the ranks it will join
 keep every core busy (at one fault per 30 s, ~8 % of the machine: more than the whole goodput budget).
 The standard library's ``multiprocessing`` forkserver, preloaded once per node with those modules
-(:mod:`hp.core.fork_preload`), forks a child that already has them; each worker then pays only its
-script's own start (model, data). ``hp bench start`` measures a node's start and end either way.
+(:mod:`hp.core.fork_context`: forked from the agent once it has imported them, or a new interpreter),
+forks a child that already has them; each worker then pays only its script's own start (model, data).
+``hp bench start`` measures a node's start and end either way. A forked worker dies with the server, and
+the server with its agent, unless the worker runs hp's runtime (:mod:`hp.core.worker_signals`).
 
 ``hp run --start-method forkserver`` (the default) starts every worker and spare this way;
 ``--start-method spawn`` starts the first ones with torch elastic (:mod:`hp.core.workers`), as torchrun
