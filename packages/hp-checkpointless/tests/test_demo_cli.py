@@ -51,3 +51,17 @@ def test_a_lone_rank_recovers_from_an_exception_in_process_bit_for_bit(flags, tm
     assert r["transport"] == "gloo" and r["world_size"] == 1
     assert r["bitwise_equal"] is True and r["state_equal"] is True and r["lost_steps"] == 0
     assert r["faults"][0]["kind"] == "exception" and r["recovery_s"] > 0
+
+
+def test_the_demo_job_trains_on_one_intra_op_thread_unless_told_otherwise(monkeypatch, capsys):
+    """On two threads, fault-free runs of the one-rank job differed from each other on a busy 2-core box
+    (PyTorch's CPU kernels, not hp: the chaos references of the 2 x 1 scenarios in CI); on one, never."""
+    from hp.checkpointless.demo.train import parse_args
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    assert parse_args([]).threads == 1
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert parse_args([]).threads == 3 and parse_args(["--threads", "2"]).threads == 2
+    with pytest.raises(SystemExit) as e:
+        parse_args(["--threads", "0"])
+    assert e.value.code == 2 and capsys.readouterr().err.strip().endswith("--threads must be >= 1, got 0")

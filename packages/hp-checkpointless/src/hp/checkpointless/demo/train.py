@@ -29,6 +29,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--dropout", type=float, default=0.1)
     p.add_argument("--corpus-mb", type=int, default=16)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=_default_threads(), metavar="N",
+                   help="intra-op threads (torch.set_num_threads); default $OMP_NUM_THREADS, else 1: on more than one "
+                        "thread PyTorch's CPU kernels are not bit-reproducible from run to run on a busy machine, and "
+                        "this job's verdict is bit-identity (hp run sets 1 itself for several ranks per node)")
     add_checkpoint_args(p)
     p.add_argument("--overlap", action="store_true",
                    help="start the gradient all-reduce during backward (OverlappedMeanReduction)")
@@ -51,7 +55,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--ulp-after-recovery", type=int, default=None, metavar="RANK",
                    help="harness self-test: after the last step, the process holding RANK, if it joined by a "
                         "recovery, moves one weight by one ulp (hp demo must then report the state unequal)")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.threads < 1:
+        p.error(f"--threads must be >= 1, got {args.threads}")
+    return args
+
+
+def _default_threads() -> int:
+    value = os.environ.get("OMP_NUM_THREADS", "")
+    return int(value) if value.isdigit() and int(value) > 0 else 1
 
 
 def add_checkpoint_args(p: argparse.ArgumentParser) -> None:
@@ -76,6 +88,7 @@ def job_checkpoint(args: argparse.Namespace):
 @recoverable
 def main(ctx) -> None:
     args = parse_args()
+    torch.set_num_threads(args.threads)
     corpus_key = f"hp-demo-{args.corpus_mb}mb-v{args.vocab}-s{args.seed}"
     cache = TokenCache.open(corpus_key, lambda: tokenize(synthetic_corpus(args.corpus_mb << 20, args.seed), args.vocab))
     ctx.events.record("data_attached", built=cache.built, open_s=cache.open_s)
