@@ -48,6 +48,7 @@ from hp.chaos import bench_goodput
 from hp.chaos.faults import fault_kinds
 from hp.chaos.faults.base import FaultSpec
 from hp.chaos.launch import JobRun, run_job
+from hp.chaos.reproducible import reference_recheck
 from hp.chaos.scenario import JobSpec, Scenario
 from hp.checkpointless.demo.run import DemoConfig
 from hp.checkpointless.demo.run import run_job as run_demo_job
@@ -157,6 +158,9 @@ def run_scenario(scenario: Scenario, log_dir: str | None = None, cache: Referenc
         if ck and scenario.expect.persisted_step is not None:
             persisted = ck.wait_persisted(scenario.expect.persisted_step)
     result = evaluate(scenario, reference, faulted, persisted)
+    if scenario.expect.bitwise_equal and result["bitwise_equal"] is False and reference.returncode == 0:
+        why = reference_recheck(reference, lambda: _reference(scenario.job, os.path.join(root, "reference-again"), env))
+        result["failures"] = [f"{f}; {why}" if f.startswith("bitwise_equal:") else f for f in result["failures"]]
     result["log_dir"] = root
     return result
 
