@@ -16,7 +16,7 @@ _EXPORTS = {
     "UnknownBackendError": "hp.core.errors", "UsageError": "hp.core.errors",
     "hookimpl": "hp.core.hookspecs", "hookspec": "hp.core.hookspecs",
     "BackendInfo": "hp.core.plugins", "backends": "hp.core.plugins", "get_backend": "hp.core.plugins",
-    "get_plugin_manager": "hp.core.plugins", "list_backends": "hp.core.plugins",
+    "get_plugin_manager": "hp.core.plugins", "list_backends": "hp.core.plugins", "PluginError": "hp.core.plugins",
     "GENERATION_KEY": "hp.core.protocol", "STATE_NBYTES_KEY": "hp.core.protocol", "Decision": "hp.core.protocol",
     "Event": "hp.core.protocol", "FailureAction": "hp.core.protocol", "JobState": "hp.core.protocol",
     "Plan": "hp.core.protocol", "ProtocolError": "hp.core.protocol", "SpareAssignment": "hp.core.protocol",

@@ -41,16 +41,40 @@ class BackendInfo:
         return {"family": self.family, "name": self.name, "dist": self.dist}
 
 
+class PluginError(UsageError):
+    """A plugin that does not fit the hookspecs (a misspelt hook, an argument no spec has), in one line."""
+
+
 @functools.lru_cache(maxsize=1)
 def get_plugin_manager() -> pluggy.PluginManager:
-    """The process-wide plugin manager with every ``hp`` entry point loaded."""
+    """The process-wide plugin manager with every ``hp`` entry point loaded and checked."""
+    return make_plugin_manager()
+
+
+def make_plugin_manager(plugins: tuple[object, ...] = ()) -> pluggy.PluginManager:
+    """A plugin manager with hp's hookspecs (and those other packages declare under ``hp.hookspecs``), every
+    ``hp`` entry point and ``plugins`` registered, then ``check_pending``: a hook implementation that no spec
+    declares (a misspelt name) is a :class:`PluginError` here, not a hook silently never called."""
     pm = pluggy.PluginManager(PROJECT_NAME)
     pm.add_hookspecs(hookspecs)
     for module in _extra_hookspec_modules():
         pm.add_hookspecs(module)
         FAMILY_HOOKS.update(getattr(module, "FAMILY_HOOKS", {}))
-    pm.load_setuptools_entrypoints(ENTRY_POINT_GROUP)
+    try:
+        pm.load_setuptools_entrypoints(ENTRY_POINT_GROUP)
+        for plugin in plugins:
+            pm.register(plugin)
+        pm.check_pending()
+    except pluggy.PluginValidationError as e:
+        dist = _dist_of(pm, e.plugin) if pm.is_registered(e.plugin) else "not registered"
+        name = getattr(e.plugin, "__name__", type(e.plugin).__name__)
+        raise PluginError(f"plugin {name} ({dist}): " + "; ".join(str(e).splitlines())
+                          + f" (the hooks: {', '.join(sorted(_spec_names(pm)))})") from None
     return pm
+
+
+def _spec_names(pm: pluggy.PluginManager) -> list[str]:
+    return [name for name, caller in vars(pm.hook).items() if getattr(caller, "spec", None) is not None]
 
 
 def _extra_hookspec_modules() -> list[Any]:
@@ -71,11 +95,13 @@ def _collect(pm: pluggy.PluginManager, family: str) -> list[tuple[Any, str]]:
     """Every backend of ``family`` with the distribution that contributed it."""
     if family not in FAMILY_HOOKS:
         raise UnknownBackendError("plugin family", family, list(FAMILY_HOOKS))
-    hook = getattr(pm.hook, FAMILY_HOOKS[family])
+    name = FAMILY_HOOKS[family]
+    plugins = [impl.plugin for impl in getattr(pm.hook, name).get_hookimpls()]
     found: list[tuple[Any, str]] = []
-    for impl in hook.get_hookimpls():
-        for backend in impl.function() or []:
-            found.append((backend, _dist_of(pm, impl.plugin)))
+    for plugin in plugins:  # each plugin's call through pluggy (tracing, wrappers), to name its distribution
+        one = pm.subset_hook_caller(name, remove_plugins=[p for p in plugins if p is not plugin])
+        for backend in [b for result in one() for b in result or []]:
+            found.append((backend, _dist_of(pm, plugin)))
     seen: dict[str, str] = {}
     for backend, dist in found:
         if backend.name in seen:
@@ -115,11 +141,11 @@ def _cli_commands(pm: pluggy.PluginManager) -> list[BackendInfo]:
     import argparse
 
     infos = []
-    for impl in pm.hook.hp_cli_commands.get_hookimpls():
+    plugins = [impl.plugin for impl in pm.hook.hp_cli_commands.get_hookimpls()]
+    for plugin in plugins:
         sub = argparse.ArgumentParser().add_subparsers()
-        impl.function(sub)
-        dist = _dist_of(pm, impl.plugin)
-        infos += [BackendInfo("cli", name, dist) for name in sub.choices]
+        pm.subset_hook_caller("hp_cli_commands", remove_plugins=[p for p in plugins if p is not plugin])(subparsers=sub)
+        infos += [BackendInfo("cli", name, _dist_of(pm, plugin)) for name in sub.choices]
     return infos
 
 
