@@ -12,8 +12,9 @@ import time
 import pytest
 
 from hp.chaos.multinode import MultiNodeJob, recovery_after
+from hp.chaos.scenario import JobSpec
 from hp.chaos.topology import Topology
-from hp.checkpointless.demo.run import DemoConfig, RunResult, compare
+from hp.checkpointless.demo.run import DemoConfig, RunResult, compare, compare_state
 
 pytestmark = [pytest.mark.skipif(os.geteuid() != 0, reason="network namespaces need root"),
               pytest.mark.timeout(600)]  # a hang guard: the first test also runs the reference job
@@ -35,12 +36,14 @@ def job_env(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def reference(job_env, tmp_path_factory) -> RunResult:
-    with Topology(2) as topo:
-        job = MultiNodeJob(topo, config(), str(tmp_path_factory.mktemp("reference")), spares=[0, 0],
-                           extra_env=job_env, agent_flags=AGENT_FLAGS).start()
-        result = job.wait(timeout=300)
-    assert result.returncode == 0 and job.returncodes() == [0, 0], result.output[-3000:]
+def reference(chaos_reference_cache, chaos_env, tmp_path_factory) -> RunResult:
+    """The fault-free run of this job (2 nodes x 1 rank, each in its namespace): the session's, shared with the
+    2-node chaos scenarios of the same job and with the other xdist worker (hp.chaos.runner.ReferenceCache)."""
+    cfg = config()
+    job = JobSpec(nodes=2, nproc_per_node=cfg.nproc, steps=cfg.steps, model=cfg.model_size, seed=cfg.seed,
+                  corpus_mb=cfg.corpus_mb)
+    result = chaos_reference_cache.get(job, chaos_env, str(tmp_path_factory.mktemp("reference")))
+    assert result.returncode == 0, result.output[-3000:]
     assert sorted(result.losses()) == list(range(STEPS))
     return result
 
@@ -57,9 +60,12 @@ def decision(job: MultiNodeJob, name: str) -> dict:
 
 
 def assert_identical(reference: RunResult, result: RunResult) -> None:
+    """Every step's losses and every rank's final state (parameters, optimizer, ...) are the reference's bits."""
     verdict = compare(reference, result)
     assert verdict == {"bitwise_equal": True, "lost_steps": 0, "steps_compared": STEPS}, (
         verdict, result.output[-3000:])
+    state = compare_state(reference, result, nproc=2)
+    assert state["state_equal"] and {"params", "optimizer"} <= set(state["state_parts"]), state
 
 
 def test_node_loss_moves_its_ranks_to_spares_on_the_surviving_node(reference, job_env, tmp_path):
