@@ -27,6 +27,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from hp.checkpointless.demo.run import RunResult, compare_state, sharded_parts
@@ -210,13 +211,15 @@ def reference_run(cfg: ElasticDemoConfig, root: str, policy: str, ranks: int | N
 
 
 def one_node_run(cfg: ElasticDemoConfig, root: str, policy: str, ranks: int, name: str = "reference",
-                 faults: list[dict] | None = None, elastic: bool = False) -> RunResult:
+                 faults: list[dict] | None = None, elastic: bool = False,
+                 agent_flags: Sequence[str] = ()) -> RunResult:
     """The job started with ``ranks`` ranks on one node, with the injected ``faults``, its logs in
-    ``root/name``; ``elastic``: ``hp run --scaling-policy`` (the policy decides where its size goes)."""
+    ``root/name``; ``elastic``: ``hp run --scaling-policy`` (the policy decides where its size goes);
+    ``agent_flags``: more ``hp run`` options."""
     ref_dir = os.path.join(root, name)
     os.makedirs(root, exist_ok=True)
     start = time.monotonic()
-    flags = ["--nproc-per-node", str(ranks), *(["--scaling-policy", policy] if elastic else [])]
+    flags = ["--nproc-per-node", str(ranks), *(["--scaling-policy", policy] if elastic else []), *agent_flags]
     job = _Job(_agent(ref_dir, flags) + train_argv(cfg, policy),
                os.path.join(root, f"{name}.out"), _env({"HP_FAULTS": json.dumps(faults)} if faults else None))
     try:
