@@ -105,8 +105,10 @@ class TransportBackend:
         its sockets) outlive the call."""
         import torch.distributed as dist
 
+        from hp.core.pg_workarounds import destroy_process_group_now
+
         if dist.is_initialized():
-            dist.destroy_process_group()
+            destroy_process_group_now()
 
 
 def _forget_failed_group() -> None:
@@ -201,10 +203,12 @@ class NcclTransport(TransportBackend):
         import torch.distributed as dist
         from torch.distributed.distributed_c10d import _abort_process_group
 
+        from hp.core.pg_workarounds import destroy_process_group_now
+
         if dist.is_initialized():
             _abort_process_group()
         if dist.is_initialized():
-            dist.destroy_process_group()
+            destroy_process_group_now()
 
     def init_process_group(self, store, rank, world_size, generation, timeout=timedelta(minutes=10),
                            connect_timeout=None):

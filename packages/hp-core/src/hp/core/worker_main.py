@@ -3,7 +3,8 @@
 It runs the training script or module as ``python SCRIPT`` / ``python -m MODULE`` would (``__main__``,
 ``sys.argv``, the script's directory first on ``sys.path``), after one thing no script should have to do:
 leaving SIGTERM to the agent (:mod:`hp.core.worker_signals`), done here while the process has one thread,
-before the script imports torch (whose import starts a thread that could otherwise take the signal).
+before the script imports torch (whose import starts a thread that could otherwise take the signal);
+then the process-group workarounds of :mod:`hp.core.pg_workarounds` (a plain DDP script's exit).
 Workers started cold (torch elastic) and forked ones (:mod:`hp.core.forkserver`) both come through
 :func:`exec_main`.
 """
@@ -14,6 +15,7 @@ import os
 import runpy
 import sys
 
+from hp.core.pg_workarounds import keep_destroyed_groups_until_exit
 from hp.core.worker_signals import defer_sigterm_to_agent
 
 
@@ -30,6 +32,7 @@ def exec_main(args: list[str]) -> None:
 
 def main(args: list[str]) -> None:
     defer_sigterm_to_agent()
+    keep_destroyed_groups_until_exit()
     exec_main(args)
 
 
