@@ -117,3 +117,11 @@ def test_observe_from_another_thread_while_the_main_thread_steps():
     watcher.start()
     watcher.join()
     assert signals.count(True) == 1 and m.state is S.COMPUTING
+
+
+def test_a_finishing_plan_is_remembered_whatever_the_plans_after_it_say():
+    m = RecoveryMachine()
+    assert m.finishing is False
+    m.observe(2, at_boundary=True, finishing=True)
+    m.observe(3)  # a recovery generation after it: the job still ends
+    assert m.finishing is True

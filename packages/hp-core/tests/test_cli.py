@@ -83,3 +83,14 @@ def test_nccl_without_cuda_is_a_clear_error():
 def test_token_is_fresh_hex():
     a, b = hp("token").stdout.strip(), hp("token").stdout.strip()
     assert a != b and len(a) == 64 and int(a, 16) >= 0
+
+
+@pytest.mark.parametrize("args, env, message", [
+    (["--rdzv-endpoint", "nohost"], {"HP_JOB_TOKEN": "t0ken" * 8}, "--rdzv-endpoint: expected HOST:PORT"),
+    (["--rdzv-endpoint", "127.0.0.1:1"], {"HP_JOB_TOKEN": ""}, "a shared job token is required"),
+    (["--rdzv-endpoint", "127.0.0.1:1", "--token-file", "/nonexistent"], {}, "--token-file: No such file"),
+])
+def test_hp_finish_bad_input_is_one_line(args, env, message):
+    out = hp("finish", *args, env=env)
+    lines = out.stderr.strip().splitlines()
+    assert out.returncode == 2 and len(lines) == 1 and message in lines[0], out.stderr

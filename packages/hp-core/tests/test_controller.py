@@ -378,3 +378,31 @@ def test_a_promoted_or_dead_spare_is_no_longer_ready():
     c.handle("spare_failed", {"node_rank": 0, "generation": c.generation, "spare": "n0s0"})
     assert c.snapshot()["ready_spares"] == [] and c.free_spares == {}
     assert c.handle("spare_ready", {"node_rank": 1, "spare": "n1s0"}) == {"ready": False}  # late report
+
+
+def test_finish_is_a_planned_generation_of_the_same_membership_that_every_later_plan_keeps():
+    """`hp finish`: the ranks end after the next step their commit vote agrees on (hp.checkpointless); the
+    controller's part is the plan. A second request changes nothing; a failure after it keeps it."""
+    published = []
+    c, _ = running(spares=1, published=published)
+    holders = dict(c.holders)
+    answer = c.handle("finish", {"node_rank": -1, "reason": "maintenance"})
+    assert answer == {"finishing": True, "generation": 2}
+    plan = json.loads(dict(published)["hp/plan/2"])
+    assert plan["finishing"] is True and plan["at_boundary"] is True and plan["why"] == "finish"
+    assert {int(r): h for r, h in plan["holders"].items()} == holders and c.state is JobState.RUNNING
+    assert c.handle("finish", {}) == {"finishing": True, "generation": 2}  # asked again: the same answer
+    c.handle("worker_failed", {"node_rank": 1, "generation": 2, "rank": 4, "holder": c.holders[4], "signal": "SIGKILL"})
+    later = json.loads(dict(published)["hp/plan/3"])
+    assert later["finishing"] is True and later["at_boundary"] is False  # a recovery: the job still ends
+    assert [d["reason"] for d in c.decisions if d["decision"] == "finish"] == ["maintenance"]
+    for n in (0, 1):
+        c.handle("node_done", {"node_rank": n, "generation": 3})
+    assert c.state is JobState.SUCCEEDED
+
+
+def test_finish_is_refused_unless_the_job_is_running():
+    c = Controller(ControllerConfig(nnodes=2), clock=Clock())
+    with pytest.raises(Refused, match="job is rendezvous"):
+        c.handle("finish", {})
+    assert c.finishing is False

@@ -193,3 +193,13 @@ def test_a_malformed_forming_store_is_refused_at_join():
             c.handle("join", {"node_rank": 0, "nproc": 1, "host": "h", "forming_store": bad})
         assert e.value.status == 400 and "forming_store" in e.value.message
     assert c.nodes == {}
+
+
+def test_a_finishing_job_is_still_finishing_under_the_next_leader():
+    j = Journal()
+    c = Controller(ControllerConfig(nnodes=1), clock=Clock(), publish=j.publish, persist=j.persist)
+    c.handle("join", {"node_rank": 0, "nproc": 2, "host": "h0", "spares": 0})
+    c.handle("finish", {})
+    new = Controller(ControllerConfig(nnodes=1), clock=Clock())
+    load(new, j.states[-1], 0.0)
+    assert new.finishing is True and new.generation == c.generation

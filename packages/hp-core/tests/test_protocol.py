@@ -130,3 +130,13 @@ def test_the_protocol_loads_neither_the_controller_nor_torch():
     code = "import hp.core.protocol, sys; print(sorted(m for m in sys.modules if m.startswith(('hp.', 'torch'))))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "['hp.core', 'hp.core.errors', 'hp.core.protocol']"
+
+
+def test_a_finishing_plan_says_so_and_others_leave_the_field_out():
+    from dataclasses import replace
+
+    finishing = replace(PLAN, finishing=True)
+    assert json.loads(finishing.to_json())["finishing"] is True and "finishing" not in json.loads(PLAN.to_json())
+    assert Plan.from_json(finishing.to_json()) == finishing and Plan.from_json(PLAN.to_json()).finishing is False
+    with pytest.raises(ProtocolError, match="field 'finishing' must be bool"):
+        Plan.from_json(json.dumps({**json.loads(PLAN.to_json()), "finishing": "yes"}))

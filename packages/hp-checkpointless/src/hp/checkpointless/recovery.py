@@ -81,6 +81,7 @@ class RecoveryMachine:
         self.generation = 0  # of the group this rank is (or was last) in; 0: none yet
         self.latest = 0  # newest generation the watch thread has seen that abandons the current one
         self.boundary = 0  # newest planned generation seen (grow, preemption): taken at a step boundary
+        self.finishing = False  # a plan said the job ends (hp finish): this rank votes to end after its step
         self._interrupt_sent = 0  # generation the main thread was last interrupted for
 
     def to(self, new: RankState) -> None:
@@ -122,10 +123,12 @@ class RecoveryMachine:
         """Whether this rank has seen a planned generation it has not formed yet (its vote says so)."""
         return self.boundary > self.generation
 
-    def observe(self, latest: int, at_boundary: bool = False) -> bool:
+    def observe(self, latest: int, at_boundary: bool = False, finishing: bool = False) -> bool:
         """The watch thread saw generation ``latest`` published. True: signal the main thread, its
         step computes for a group that is already dead (once per generation). A planned generation
-        (``at_boundary``) interrupts nothing: the ranks agree in a commit vote to re-form after it."""
+        (``at_boundary``) interrupts nothing: the ranks agree in a commit vote to re-form after it.
+        ``finishing``: its plan says the job ends; the ranks agree in a commit vote on the step it ends after."""
+        self.finishing = self.finishing or finishing
         if at_boundary:
             self.boundary = max(self.boundary, latest)
             return False

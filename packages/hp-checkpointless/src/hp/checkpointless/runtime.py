@@ -135,6 +135,7 @@ class Context:
         self._owned: list[int] = []  # the micro-batches this rank computes in the current step
         self._step_samples = 0  # samples the current step consumes (all ranks), when split in micro-batches
         self._reform_due = False  # the last vote said: re-form (a planned generation) before the next step
+        self._finish_due = False  # the last vote said: the job ends after this step (hp finish)
         self._on_scale: Callable[[int, int], None] | None = None
         self._size_published = False
         self._reduction_fired = False  # the step's "allreduce" fault phase fired (FSDP: at its first reduce-scatter)
@@ -271,7 +272,7 @@ class Context:
         self._formation.join(st, self._tx, self._start_generation)
         self._formed()
         try:
-            while st.committed + 1 < total:
+            while st.committed + 1 < total and not self._finish_due:
                 if self._reform_due:
                     self._rescale()
                 step = self._step = Step(st.committed + 1, self)
@@ -288,6 +289,8 @@ class Context:
                 yield step
                 if not self._step_done:
                     raise UsageError("each step must end with ctx.commit(loss)")
+            if self._finish_due:  # hp finish: every rank ends after this same step
+                self.events.record(Event.FINISH_AGREED, rank=self.rank, step=st.committed, generation=self.generation)
             self._publish(FINISHED_KEY, str(st.committed))  # releases a joiner that would wait for us forever
             self.events.record(Event.FINAL_STATE, rank=self.rank, step=st.committed, digests=st.digests())
         finally:
@@ -335,7 +338,9 @@ class Context:
         step, st = int(self._step), self._training
         self._phase(step, "commit")
         slots = self._loss_slots(loss)
-        mean, skip, self._reform_due = self._tx.vote(step, slots, self.world_size, self._machine.boundary_due())
+        mean, skip, self._reform_due, self._finish_due = self._tx.vote(step, slots, self.world_size,
+                                                                       self._machine.boundary_due(),
+                                                                       self._machine.finishing)
         # committed: from here on, survivors finish the step whatever happens to peers
         self._machine.to(RankState.FINISHING)
         self._phase(step, "optimizer")
@@ -499,7 +504,7 @@ class Context:
         """Watch thread: a newer generation means this rank's group is dead; stop a step that computes
         for nothing (without this, a peer that died at the start of a step is noticed only at its
         all-reduce, a whole step later). A planned one (grow, preemption) waits for a step boundary."""
-        if self._machine.observe(plan.generation, plan.at_boundary) and self._can_interrupt:
+        if self._machine.observe(plan.generation, plan.at_boundary, plan.finishing) and self._can_interrupt:
             signal.pthread_kill(threading.main_thread().ident, INTERRUPT_SIGNAL)
 
     def _follow(self, env: dict, token: str):

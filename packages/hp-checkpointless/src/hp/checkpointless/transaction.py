@@ -40,7 +40,7 @@ from hp.checkpointless.recovery import CollectiveError
 from hp.checkpointless.reduction import Collective, MeanReduction, Reduction
 from hp.checkpointless.registry import TrainingState
 
-VOTE_HEAD = 3  # [ranks voting, ranks that saw inf/NaN, ranks that saw a planned generation], then the losses
+VOTE_HEAD = 4  # [ranks voting, ranks that saw inf/NaN, that saw a planned generation, that saw the job end], then the losses
 
 
 class StepTransaction:
@@ -129,16 +129,18 @@ class StepTransaction:
             self._unscaled = True
             self._found_inf = not finite()
 
-    def vote(self, step: int, losses: dict[int, float], world_size: int, boundary: bool) -> tuple[float, bool, bool]:
+    def vote(self, step: int, losses: dict[int, float], world_size: int, boundary: bool,
+             finishing: bool = False) -> tuple[float, bool, bool, bool]:
         """Every rank's yes. ``losses``: this rank's loss per slot (its micro-batches' ids, or its rank when
-        the step is not split), ``boundary``: this rank has seen a planned generation. Returns (global mean
-        loss, skip: some gradient was inf/NaN, re-form after this step)."""
+        the step is not split), ``boundary``: this rank has seen a planned generation, ``finishing``: a plan
+        that ends the job. Returns (global mean loss, skip: some gradient was inf/NaN, re-form after this
+        step, the job ends after this step): the same on every rank."""
         slots = self.micro_batches or world_size
         if self._vote.numel() != VOTE_HEAD + slots:
             self._vote = torch.zeros(VOTE_HEAD + slots, dtype=torch.float64)  # kept referenced: see group.py
         vote = self._vote
         vote.zero_()
-        vote[0], vote[1], vote[2] = 1.0, float(self._found_inf), float(boundary)
+        vote[0], vote[1], vote[2], vote[3] = 1.0, float(self._found_inf), float(boundary), float(finishing)
         for slot, loss in losses.items():
             vote[VOTE_HEAD + slot] = loss
         self._collective(dist.all_reduce, vote)
@@ -150,7 +152,7 @@ class StepTransaction:
         total = 0.0
         for loss in vote[VOTE_HEAD:].tolist():
             total += loss
-        return total / slots, int(vote[1]) > 0, int(vote[2]) > 0
+        return total / slots, int(vote[1]) > 0, int(vote[2]) > 0, int(vote[3]) > 0
 
     # ---- after the vote (local) -------------------------------------------------------------
     def apply(self, step: int, skip: bool) -> None:

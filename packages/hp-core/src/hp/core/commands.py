@@ -1,4 +1,4 @@
-"""hp-core's sub-commands: ``hp run``, ``hp controller``, ``hp backends``, ``hp token``, ``hp k8s``."""
+"""hp-core's sub-commands: ``hp run``, ``hp controller``, ``hp finish``, ``hp backends``, ``hp token``, ``hp k8s``."""
 
 from __future__ import annotations
 
@@ -309,7 +309,27 @@ def _add_k8s(sub: argparse._SubParsersAction) -> None:
     add_parser(sub)
 
 
+def _add_finish(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("finish", help="end a running job after the next step boundary its ranks agree on "
+                                      "(every rank after the same step; the job succeeds)")
+    p.add_argument("--rdzv-endpoint", required=True, help="the job's controller HOST:PORT")
+    p.add_argument("--reason", default="an operator", help="said in the controller's decision log")
+    p.add_argument("--token-file", default=None, help="file holding the job token (default: $HP_JOB_TOKEN)")
+    p.set_defaults(handler=_finish)
+
+
+def _finish(args: argparse.Namespace) -> int:
+    from hp.core.control_plane import ControlClient
+    from hp.core.protocol import Verb
+
+    endpoint = parse_endpoint(args.rdzv_endpoint)
+    token = read_token(args, required=True)
+    answer = ControlClient(str(endpoint), token, node=auth.OPERATOR).call(Verb.FINISH, {"reason": args.reason})
+    print(json.dumps(answer))
+    return 0
+
+
 @hookimpl
 def hp_cli_commands(subparsers: argparse._SubParsersAction) -> None:
-    for add in (_add_run, _add_controller, _add_backends, _add_token, _add_k8s):
+    for add in (_add_run, _add_controller, _add_backends, _add_token, _add_k8s, _add_finish):
         add(subparsers)

@@ -146,6 +146,7 @@ class Controller:
         self.state = JobState.RENDEZVOUS
         self.reason = ""
         self.restarts = 0
+        self.finishing = False  # an operator asked the job to end at its next agreed step boundary (hp finish)
         self.nodes: dict[int, NodeRecord] = {}
         self.members: dict[int, int] = {}  # rank -> node_rank currently holding it
         self.holders: dict[int, str] = {}  # rank -> id of the process holding it (fences out old ones)
@@ -169,6 +170,7 @@ class Controller:
             Verb.NODE_LEAVING: self._not_elastic,  # hp.core.rescale.ElasticController handles these two
             Verb.SCALE: self._not_elastic,
             Verb.NODE_FAILED: self._node_failed,
+            Verb.FINISH: self._finish,
             Verb.STATE: lambda p: self.snapshot(),
         }
 
@@ -322,6 +324,7 @@ class Controller:
             "generation": self.generation,
             "reason": self.reason,
             "restarts": self.restarts,
+            "finishing": self.finishing,
             "members": dict(self.members),
             "free_spares": sorted(self.free_spares),
             "ready_spares": sorted(self.spares.ready),
@@ -349,7 +352,7 @@ class Controller:
         """Tell every worker through the store: the plan of the new generation first, then its
         number, so a worker that sees the number can always read the plan."""
         plan = Plan(self.generation, len(self.members), self.state.value, self.reason, dict(self.holders), why,
-                    at_boundary, self._forming_store())
+                    at_boundary, self._forming_store(), self.finishing)
         self._publish(plan_key(self.generation), plan.to_json())
         self._publish(GENERATION_KEY, str(self.generation))
 
@@ -638,6 +641,19 @@ class Controller:
             self.state = JobState.SUCCEEDED
             self._log(Decision.JOB_SUCCEEDED)
         return {"state": self.state.value}
+
+    def _finish(self, p: dict) -> dict:
+        """An operator ends the job (``hp finish``): a planned generation of the same membership whose plan,
+        and every later one, says ``finishing``. The ranks end their training loop after the next step whose
+        commit vote says one of them has seen it (all after the same step: the vote is a collective), exit
+        as at their last step, and the job succeeds as it does then. Asked again: the same answer."""
+        self._require_running()
+        if not self.finishing:
+            self.finishing = True
+            reason = p.get("reason") if isinstance(p.get("reason"), str) else "an operator"
+            self._log(Decision.FINISH, reason=reason[:200])
+            self._bump("finish", at_boundary=True)
+        return {"finishing": True, "generation": self.generation}
 
     def _finished(self) -> bool:
         """Whether every rank's work is done: each node holding a rank finished (or was lost)."""

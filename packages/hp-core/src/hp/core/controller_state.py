@@ -41,6 +41,7 @@ def dump(c: Controller, outbox: list[tuple[str, str]]) -> dict[str, Any]:
         "state": c.state.value,
         "reason": c.reason,
         "restarts": c.restarts,
+        "finishing": c.finishing,
         "nodes": [{f: getattr(n, f) for f in _NODE_FIELDS} for n in c.nodes.values()],
         "members": _pairs(c.members),
         "holders": _pairs(c.holders),
@@ -69,6 +70,7 @@ def load(c: Controller, state: dict[str, Any], now: float) -> list[tuple[str, st
     try:
         c.generation = int(state["generation"])
         c.state, c.reason, c.restarts = JobState(state["state"]), str(state["reason"]), int(state["restarts"])
+        c.finishing = state.get("finishing") is True
         c.nodes = {}
         for fields in state["nodes"]:
             node = NodeRecord(**{f: fields[f] for f in _NODE_FIELDS if f in fields or f != "incarnation"})

@@ -166,6 +166,7 @@ class Verb(StrEnum):
     NODE_LEAVING = "node_leaving"  # graceful preemption: the node's ranks leave at a step boundary
     SCALE = "scale"  # an operator (``hp scale``) or a capacity source sets the job's capacity
     NODE_FAILED = "node_failed"  # the scheduler says a node failed (Slurm took it out of the job)
+    FINISH = "finish"  # an operator (``hp finish``) ends the job at the next step boundary its ranks agree on
     STATE = "state"
 
 
@@ -200,6 +201,7 @@ class Event(StrEnum):
     FAULT_RESUMED = "fault_resumed"
     FENCED_OUT = "fenced_out"
     FINAL_STATE = "final_state"  # per-rank digests of the final training state
+    FINISH_AGREED = "finish_agreed"  # the commit vote of this step said: the job ends after it (``hp finish``)
     HEALTH_CHECK_FAILED = "health_check_failed"  # after a failure this rank's device failed a check: it leaves
     HYDRATED = "hydrated"
     HYDRATION_SENT = "hydration_sent"  # a source sent a rank behind the replicated state: how (premapped|shm|transport)
@@ -245,6 +247,7 @@ class Decision(StrEnum):
     SPARE_LOST = "spare_lost"
     NODE_DONE = "node_done"
     JOB_SUCCEEDED = "job_succeeded"
+    FINISH = "finish"  # the job ends at the next step boundary its ranks agree on (``hp finish``)
     FAIL_JOB = "fail_job"
     REFUSED = "refused"
     CONTROLLER_ELECTED = "controller_elected"  # an HA replica took the lease and restored the job's state
@@ -286,6 +289,9 @@ class Plan:
     event renumbers the ranks. ``at_boundary``: a planned change (grow, graceful preemption): the
     ranks of the previous generation finish the step they are in and re-form after its commit, instead
     of abandoning it; a process whose holder is no longer in the plan then leaves the job.
+    ``finishing``: an operator asked the job to end (``hp finish``, kept in every later plan): the ranks end
+    their training loop after the next step whose commit vote says that one of them has seen it, all after
+    the same step, and exit as at their last step.
     ``forming_store``: ``HOST:PORT`` of the ``TCPStore`` the ranks form this generation's process group on,
     hosted by a live node's agent that the controller picked for this generation (no rank hosts it, and a
     lost host only costs the generation being formed: the next one forms on another's); "" for the job's store."""
@@ -298,6 +304,7 @@ class Plan:
     why: str = ""
     at_boundary: bool = False
     forming_store: str = ""
+    finishing: bool = False
 
     def rank_of(self, holder: str) -> int | None:
         """The rank ``holder`` holds in this generation (None: it holds none)."""
@@ -307,7 +314,8 @@ class Plan:
         return json.dumps({"generation": self.generation, "world_size": self.world_size, "why": self.why,
                            "state": self.state, "reason": self.reason, "at_boundary": self.at_boundary,
                            "holders": {str(r): h for r, h in self.holders.items()},
-                           **({"forming_store": self.forming_store} if self.forming_store else {})})
+                           **({"forming_store": self.forming_store} if self.forming_store else {}),
+                           **({"finishing": True} if self.finishing else {})})
 
     @classmethod
     def from_json(cls, raw: str | bytes) -> Plan:
@@ -324,7 +332,8 @@ class Plan:
         return cls(generation, _count(value, "world_size", what), JobState(state), _get(value, "reason", str, what),
                    {int(r): h for r, h in holders.items()}, _get(value, "why", str, what, default=""),
                    _get(value, "at_boundary", bool, what, default=False),
-                   _get(value, "forming_store", str, what, default=""))
+                   _get(value, "forming_store", str, what, default=""),
+                   _get(value, "finishing", bool, what, default=False))
 
 
 @dataclass(frozen=True)
