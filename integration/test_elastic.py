@@ -1,8 +1,9 @@
 """Elastic training end to end: real `hp run` agents, real processes, CPU gloo.
 
 `hp demo --elastic` goes 4 -> 3 (a rank killed, no spare) -> 4 (its replacement joins) -> 2 (a node's agent
-gets SIGTERM) -> 4 (a new agent joins the running job) and compares every step's loss and every rank's final
-weights and optimizer state with a fixed-size run of the same job, in exact mode. Below the policy's
+gets SIGTERM) -> 4 (a new agent joins the running job), then ends a few steps later (`hp finish`: every
+rank after the same step, agreed at run time), and compares every step's loss and every rank's final
+weights and optimizer state with a fixed-size run of the same job to that step, in exact mode. Below the policy's
 minimum a failure takes the fixed-size rungs instead.
 """
 
@@ -26,9 +27,9 @@ def _env(tmp_path: Path, **extra: str) -> dict:
 
 
 def _demo(tmp_path: Path, *flags: str) -> dict:
-    # 250 steps, not the demo's 150: the last grow waits for the preempted agent to exit and a new one to
-    # start; on a CI box loaded by the other test worker that took longer than 119 steps once
-    out = subprocess.run([*HP, "demo", "--elastic", "--json", "--steps", "250", "--log-dir", str(tmp_path / "logs"),
+    # 400 steps at most: the job ends 5 steps at 4 ranks after the last grow (hp finish), whenever the new agent
+    # is ready (it took 119 steps once on a CI box loaded by the other test worker, ~60 on a quiet one)
+    out = subprocess.run([*HP, "demo", "--elastic", "--json", "--steps", "400", "--log-dir", str(tmp_path / "logs"),
                           *flags], cwd=ROOT,
                          env=_env(tmp_path), capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-3000:]
@@ -39,6 +40,8 @@ def _demo(tmp_path: Path, *flags: str) -> dict:
 def test_shrink_grow_preempt_rejoin_is_bit_identical_to_the_fixed_size_run(tmp_path):
     result = _demo(tmp_path)
     assert result["world_sizes"] == [4, 3, 4, 2, 4]
+    # ended by hp finish at run time: every rank after the same step, the reference run to it
+    assert result["finished_at"] == result["steps"] - 1 < result["max_steps"] - 1
     assert [e["kind"] for e in result["events"]] == ["shrink", "grow", "preempt", "grow"]
     assert result["lost_steps"] == 0
     assert result["losses_equal"] is True and result["state_equal"] is True and result["bitwise_equal"] is True
@@ -54,6 +57,7 @@ def test_shrink_grow_preempt_rejoin_is_bit_identical_to_the_fixed_size_run(tmp_p
 def test_a_sharded_optimizer_is_resharded_at_every_scale_event(tmp_path):
     result = _demo(tmp_path, "--zero")
     assert result["world_sizes"] == [4, 3, 4, 2, 4] and result["lost_steps"] == 0
+    assert result["finished_at"] == result["steps"] - 1 < result["max_steps"] - 1
     # the final partitioning is the reference's (4 ranks): each rank's shard must be the same bits
     assert result["bitwise_equal"] is True, result["state_differences"]
 
@@ -90,7 +94,8 @@ def _free_port() -> int:
 
 def test_the_job_follows_the_capacity_file_and_hp_scale(tmp_path):
     """Capacity 2 -> 1 (the local scheduler's capacity file): a rank leaves at a step boundary and its slot
-    gets a waiting process; `hp scale --replicas 2`: the job grows back into it. Nothing lost or repeated."""
+    gets a waiting process; `hp scale --replicas 2`: the job grows back into it; `hp finish`: both ranks end
+    after the same step, long before --steps. Nothing lost or repeated."""
     import time
 
     policy, capacity, port = tmp_path / "policy.yaml", tmp_path / "capacity", _free_port()
@@ -118,6 +123,9 @@ def test_the_job_follows_the_capacity_file_and_hp_scale(tmp_path):
             assert worlds() == sizes, f"world sizes {worlds()}, expected {sizes}"
 
         wait_for([2])
+        forged = subprocess.run([*HP, "finish", "--rdzv-endpoint", f"127.0.0.1:{port}"],
+                                env={**env, "HP_JOB_TOKEN": "x" * 32}, capture_output=True, text=True, timeout=60)
+        assert forged.returncode != 0 and job.poll() is None, forged.stdout  # without the token: refused, trains on
         capacity.write_text("1")
         wait_for([2, 1])
         time.sleep(3)  # the slot's new process starts and waits as a joiner
@@ -125,6 +133,9 @@ def test_the_job_follows_the_capacity_file_and_hp_scale(tmp_path):
                                capture_output=True, text=True, timeout=60)
         assert scale.returncode == 0, scale.stderr
         wait_for([2, 1, 2])
+        finish = subprocess.run([*HP, "finish", "--rdzv-endpoint", f"127.0.0.1:{port}"], env=env,
+                                capture_output=True, text=True, timeout=60)
+        assert finish.returncode == 0 and json.loads(finish.stdout)["finishing"] is True, finish.stderr
         out, _ = job.communicate(timeout=300)
         assert job.returncode == 0, out[-3000:]
     finally:
@@ -132,5 +143,7 @@ def test_the_job_follows_the_capacity_file_and_hp_scale(tmp_path):
             os.killpg(job.pid, 9)
             job.wait()
     events = read_events(str(tmp_path / "logs" / "events"))
+    (end,) = {e["step"] for e in events if e["event"] == "finish_agreed"}  # the same step on both ranks
+    assert sorted(e["rank"] for e in events if e["event"] == "finish_agreed") == [0, 1] and end < 399
     steps = [e["step"] for e in events if e["event"] == "commit" and e["rank"] == 0]
-    assert sorted(set(steps)) == list(range(400)) and len(steps) == 400  # every step once by rank 0
+    assert sorted(set(steps)) == list(range(end + 1)) and len(steps) == end + 1  # every step once by rank 0

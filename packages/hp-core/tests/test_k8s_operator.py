@@ -14,6 +14,7 @@ the job going on without the node within seconds.
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import os
 import queue
@@ -236,8 +237,9 @@ def test_the_manifests_sidecar_command_is_one_hp_parses():
 def test_a_node_not_ready_makes_the_job_go_on_without_it_at_once_bit_identical(watch_api, tmp_path):
     """3 pods train (elastic 2..3); a stale report (an earlier pod of node rank 1 seen Failed) changes
     nothing; then node-2 goes dark and its Node NotReady: hp k8s watch tells the controller, which loses
-    the node at once (heartbeat timeout 120 s); the job shrinks to 2 and trains to its end with 0 lost steps,
-    its losses and every rank's final state bit-identical to a fixed 2-rank run."""
+    the node at once (heartbeat timeout 120 s); the job shrinks to 2, and 5 steps later it is asked to end
+    (`hp finish`, decided at run time): 0 lost steps, its losses and every rank's final state bit-identical to
+    a fixed 2-rank run to the same step."""
     from hp.checkpointless.demo.run import RunResult, compare_state
     from hp.checkpointless.events import read_events
     from hp.core.testing import free_port, kill_tagged, tagged_pids
@@ -258,7 +260,7 @@ def test_a_node_not_ready_makes_the_job_go_on_without_it_at_once_bit_identical(w
     policy = os.path.join(root, "policy.yaml")
     with open(policy, "w") as f:
         f.write(POLICY.format(min=2, max=3, global_batch=48, micro_batch=4))
-    demo = ElasticDemoConfig(steps=120, global_batch=48, micro_batch=4, log_dir=root, timeout_s=300)
+    demo = ElasticDemoConfig(steps=300, global_batch=48, micro_batch=4, log_dir=root, timeout_s=300)  # at most
     tag = f"HP_TEST_K8S_WATCH={uuid.uuid4().hex}"
     env, port = {**_env(), tag.split("=")[0]: tag.split("=")[1]}, free_port()
     for n in range(3):
@@ -310,6 +312,11 @@ def test_a_node_not_ready_makes_the_job_go_on_without_it_at_once_bit_identical(w
         assert decision["node_rank"] == 2 and "node node-2 NotReady" in decision["cause"], decision
         print(f"node-2 lost {told_s:.2f} s after it went dark (not-ready grace 0.5 s)")
         assert told_s < 30, f"lost after {told_s:.1f} s: not the watch (the heartbeat timeout is 120 s)"
+        wait_for("5 steps at 2 ranks", lambda: sum(1 for w in world_by_step(events()).values() if w == 2) >= 5)
+        from hp.core.auth import OPERATOR
+        from hp.core.control_plane import ControlClient
+
+        ControlClient(f"127.0.0.1:{port}", env["HP_JOB_TOKEN"], node=OPERATOR).call("finish", {"reason": "the test"})
         for j in jobs[1:3]:
             assert j.proc.wait(timeout=300) == 0, j.tail()
     finally:
@@ -319,8 +326,9 @@ def test_a_node_not_ready_makes_the_job_go_on_without_it_at_once_bit_identical(w
     got = events()
     sizes = world_by_step(got)
     assert sorted(set(sizes.values())) == [2, 3] and sizes[max(sizes)] == 2
-    assert lost_steps(got, demo.steps) == 0
-    reference = reference_run(demo, root, policy, ranks=2)
+    (end,) = {e["step"] for e in got if e["event"] == "finish_agreed"}  # both ranks after the same step
+    assert end == max(sizes) < demo.steps - 1 and lost_steps(got, end + 1) == 0
+    reference = reference_run(dataclasses.replace(demo, steps=end + 1), root, policy, ranks=2)
     assert reference.returncode == 0, reference.output
     want = {s: {e["loss"] for e in es} for s, es in commits(reference.events).items()}
     have = {s: {e["loss"] for e in es} for s, es in commits(got).items()}

@@ -9,7 +9,12 @@ Both are real ``hp run`` jobs on this host (CPU gloo). The elastic one is two ag
    to 4 at a step boundary and the new rank hydrates from a peer;
 3. **preemption**: node 1's agent gets SIGTERM once the job has run ``preempt_after`` steps at 4 again:
    its two ranks leave at the next step boundary (4 → 2);
-4. **grow**: a new agent for node 1 joins the running job: 2 → 4.
+4. **grow**: a new agent for node 1 joins the running job: 2 → 4;
+5. **end**: ``finish_after`` steps at 4 later the demo asks the job to end (``hp finish``): every rank ends
+   after the same step, agreed in a commit vote, and the job succeeds. ``steps`` only bounds the job: on a
+   loaded machine the new agent takes longer and the job runs more steps, never fewer events.
+
+The fixed-size reference runs after it, to the step the job ended after.
 
 What the report says comes from the jobs' event logs: per step the world size, the loss bits and the
 commit time. ``pause_s`` of an event = (first commit at the new world size) − (last commit at the old
@@ -28,7 +33,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from hp.checkpointless.demo.run import RunResult, compare_state, sharded_parts
 from hp.checkpointless.events import read_events
@@ -38,7 +43,8 @@ POLICY = "min_replicas: {min}\nmax_replicas: {max}\nglobal_batch: {global_batch}
 
 @dataclass
 class ElasticDemoConfig:
-    steps: int = 150
+    steps: int = 150  # the most the job may run: it ends `finish_after` steps at full size after the last grow
+    finish_after: int = 5
     kill_step: int = 10
     preempt_after: int = 5  # steps at 4 ranks again before node 1 is preempted
     nproc_per_node: int = 2
@@ -116,6 +122,7 @@ class _Elastic:
     def __init__(self, cfg: ElasticDemoConfig, root: str, policy: str) -> None:
         self.cfg, self.root = cfg, root
         port = _free_port()
+        self.endpoint = f"127.0.0.1:{port}"
         self.flags = ["--nnodes", "2:2", "--nproc-per-node", str(cfg.nproc_per_node), "--rdzv-endpoint",
                       f"127.0.0.1:{port}", "--scaling-policy", policy]
         self.env = _env()
@@ -150,8 +157,21 @@ class _Elastic:
                 self.jobs.append(_Job(_agent(self.dirs[2], [*self.flags, "--node-rank", "1"] + self.train),
                                       os.path.join(self.root, "node1-again.out"), self.env))
                 stage = "rejoined"
+            elif stage == "rejoined" and _after(sizes, [full, full - 1, full, full - cfg.nproc_per_node, full],
+                                                cfg.finish_after):
+                self.marks["finish"] = time.time()
+                self.finish("the elastic demo saw its four scale events")
+                stage = "finishing"
             time.sleep(0.2)
         raise TimeoutError(f"the elastic demo did not finish within {cfg.timeout_s:.0f} s")
+
+    def finish(self, reason: str) -> None:
+        """``hp finish``: the job ends after the next step its ranks agree on."""
+        from hp.core.auth import OPERATOR
+        from hp.core.control_plane import ControlClient
+        from hp.core.protocol import Verb
+
+        ControlClient(self.endpoint, self.env["HP_JOB_TOKEN"], node=OPERATOR).call(Verb.FINISH, {"reason": reason})
 
     def stop(self) -> None:
         for job in self.jobs:
@@ -236,7 +256,6 @@ def run_elastic_demo(cfg: ElasticDemoConfig) -> dict:
     with open(policy, "w") as f:
         f.write(POLICY.format(min=cfg.nproc_per_node, max=2 * cfg.nproc_per_node, global_batch=cfg.global_batch,
                               micro_batch=cfg.micro_batch))
-    reference = reference_run(cfg, root, policy) if cfg.reference else None
     run = _Elastic(cfg, root, policy)
     start = time.monotonic()
     try:
@@ -246,8 +265,12 @@ def run_elastic_demo(cfg: ElasticDemoConfig) -> dict:
     events = sorted(run.events(), key=lambda e: e["t"])
     elastic = RunResult(max(abs(j.proc.returncode or 0) for j in run.jobs), time.monotonic() - start, events,
                         "".join(j.tail() for j in run.jobs))
-    if reference is None:
-        reference = RunResult(0, 0.0, [], "")
+    # the step every rank ended after (hp finish, agreed in a commit vote), or the last one
+    ended = {e["step"] for e in events if e["event"] == "finish_agreed"}
+    last = max(ended) if len(ended) == 1 else max((e["step"] for e in events if e["event"] == "commit"), default=-1)
+    steps = last + 1
+    reference = (reference_run(replace(cfg, steps=steps), root, policy) if cfg.reference
+                 else RunResult(0, 0.0, [], ""))
     ref_losses = {s: {e["loss"] for e in es} for s, es in commits(reference.events).items()}
     got_losses = {s: {e["loss"] for e in es} for s, es in commits(events).items()}
     worlds = world_by_step(events)
@@ -257,13 +280,15 @@ def run_elastic_demo(cfg: ElasticDemoConfig) -> dict:
     changes = scale_events(events)
     regrown = [c for c in changes if c["kind"] == "grow" and "rejoin" in run.marks
                and min(e["t"] for e in commits(events)[c["first_step_after"]]) > run.marks["rejoin"]]
-    completed = reference.returncode == 0 and elastic.returncode == 0 and len(got_losses) == cfg.steps
+    completed = reference.returncode == 0 and elastic.returncode == 0 and len(got_losses) == steps
     if not cfg.reference:  # nothing to compare with
         loss_equal, state = False, {"state_equal": False, "state_parts": [], "state_differences": ["no reference run"]}
     result = {
-        "completed": completed, "exact": cfg.exact, "steps": cfg.steps,
+        "completed": completed, "exact": cfg.exact, "steps": steps, "max_steps": cfg.steps,
+        # every rank ended after the same step, agreed in a commit vote (hp finish); False: it ran to max_steps
+        "finished_at": last if len(ended) == 1 and "finish" in run.marks else None,
         "bitwise_equal": loss_equal and state["state_equal"], "losses_equal": loss_equal,
-        **state, "lost_steps": lost_steps(events, cfg.steps), "world_sizes": sequence,
+        **state, "lost_steps": lost_steps(events, steps), "world_sizes": sequence,
         "pause_s": [c["pause_s"] for c in changes], "events": changes,
         "step_s": {str(w): c["step_s"] for c in changes for w in [c["to"]]},
         # SIGTERM to the preempted node's agent -> that agent exited (its ranks left at a step boundary)
