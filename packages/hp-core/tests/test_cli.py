@@ -50,6 +50,17 @@ def test_backends_table():
     (["run", "--run-id", "a/b", "x.py"], "--run-id must be 1-128 of [A-Za-z0-9_.-]"),
     (["run", "--run-id", "..", "x.py"], "not '.' or '..', got '..'"),
     (["fly"], "invalid choice: 'fly'"),
+    # #31 item 11: bounds before anything starts (the agent grew to 2.4 GB; nan and negatives were accepted)
+    (["run", "--nproc-per-node", "99999999999999999999", "x.py"], "--nproc-per-node must be at most 1024"),
+    (["run", "--spares", "5000", "x.py"], "--spares must be at most 1024"),
+    (["run", "--rdzv-timeout", "nan", "x.py"], "--rdzv-timeout must be > 0 seconds"),
+    (["run", "--heartbeat-timeout", "inf", "x.py"], "--heartbeat-timeout must be > 0 seconds and at most"),
+    (["run", "--hang-timeout", "-1", "x.py"], "--hang-timeout must be >= 0"),
+    (["run", "--log-dir", "/proc/hp-test/logs", "x.py"], "--log-dir /proc/hp-test/logs: No such file or directory"),
+    (["controller", "--nnodes", "1", "--port", "70000"], "--port must be in [0, 65535], got 70000"),
+    (["controller", "--nnodes", "1", "--heartbeat-timeout", "-5"], "--heartbeat-timeout must be > 0 seconds"),
+    (["controller", "--nnodes", "1", "--heartbeat-timeout", "nan"], "--heartbeat-timeout must be > 0 seconds"),
+    (["--log-level", "BOGUS", "backends"], "argument --log-level: invalid choice: 'BOGUS'"),
     (["controller", "--nnodes", "1"], "a shared job token is required"),
 ])
 def test_bad_input_is_one_line_exit_2_no_traceback(args, message):
@@ -94,3 +105,18 @@ def test_hp_finish_bad_input_is_one_line(args, env, message):
     out = hp("finish", *args, env=env)
     lines = out.stderr.strip().splitlines()
     assert out.returncode == 2 and len(lines) == 1 and message in lines[0], out.stderr
+
+
+@pytest.mark.parametrize("flag, message", [
+    ("--token-file", "--token-file {}: not UTF-8 text"),
+    ("--scaling-policy", "scaling policy file {}: not UTF-8 text"),
+])
+def test_a_file_that_is_not_utf8_is_one_line(tmp_path, flag, message):
+    """#31 item 11: a non-UTF-8 token file or policy was a UnicodeDecodeError traceback."""
+    bad = tmp_path / "bad"
+    bad.write_bytes(b"\xff\xfe\x00")
+    nnodes = "1:2" if flag == "--scaling-policy" else "2"  # each makes hp read the file
+    out = hp("run", flag, str(bad), "--nnodes", nnodes, "--rdzv-endpoint", "127.0.0.1:1", "x.py",
+             env={"HP_JOB_TOKEN": "t0ken" * 8})
+    lines = out.stderr.strip().splitlines()
+    assert out.returncode == 2 and len(lines) == 1 and message.format(bad) in lines[0], out.stderr

@@ -229,6 +229,11 @@ BAD = [
     (["--name", "demo", "--not-ready-grace", "3601"], "--not-ready-grace must be in (0, 3600]"),
     (["--name", "demo", "--not-ready-grace", "nan"], "--not-ready-grace must be in (0, 3600]"),
     (["--name", "demo", "--not-ready-grace", "soon"], "--not-ready-grace: invalid float value"),
+    # #31 item 11: were tracebacks or an empty label key
+    (["--name", "demo", "--cpu", "1e999"], "--cpu must be a positive Kubernetes quantity"),
+    (["--name", "demo", "--ckpt-state-gib", "nan"], "--ckpt-state-gib must be > 0 and at most"),
+    (["--name", "demo", "--ckpt-state-gib", "1e308"], "--ckpt-state-gib must be > 0 and at most"),
+    (["--name", "demo", "--node-selector", "="], "--node-selector: expected KEY=VALUE with a non-empty KEY"),
 ]
 
 

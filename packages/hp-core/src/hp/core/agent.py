@@ -35,7 +35,7 @@ from hp.core.config import RunConfig
 from hp.core.control_plane import ControlClient, ControlServer
 from hp.core.devices import DeviceSlots
 from hp.core.controller import Controller, ControllerConfig
-from hp.core.errors import ControlPlaneError, HpError
+from hp.core.errors import ControlPlaneError, HpError, UsageError
 from hp.core.exits import CleanExits, Verdict
 from hp.core.fanout import RELAY_WAIT_S, Relay
 from hp.core.plugins import get_backend, load_scaler
@@ -117,7 +117,10 @@ class Agent:
             scaler = load_scaler(config.scaling_policy)
         self.scaler = scaler
         self.log_dir = config.log_dir or tempfile.mkdtemp(prefix=f"hp_{config.run_id}_")
-        os.makedirs(self.log_dir, exist_ok=True)
+        try:
+            os.makedirs(self.log_dir, exist_ok=True)
+        except OSError as e:  # under /proc, a file in the way, no permission: one line, nothing started
+            raise UsageError(f"--log-dir {self.log_dir}: {e.strerror or e}") from None
         self.generation = 0
         self.workers: list[Worker] = []  # processes holding a rank
         self.spares: list[Worker] = []  # started, waiting to be given a rank

@@ -48,7 +48,8 @@ def bench_group(subparsers: argparse._SubParsersAction) -> argparse._SubParsersA
 
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="hp", description="hp: keep PyTorch training jobs making progress through faults.")
-    parser.add_argument("--log-level", default="WARNING", help="Python logging level for hp's own logs")
+    parser.add_argument("--log-level", default="WARNING", type=str.upper,
+                        choices=("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"), help="Python logging level for hp's own logs")
     sub = parser.add_subparsers(title="commands", metavar="COMMAND", required=True)
     get_plugin_manager().hook.hp_cli_commands(subparsers=sub)
     return parser

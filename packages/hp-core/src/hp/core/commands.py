@@ -11,7 +11,7 @@ import sys
 import time
 
 from hp.core import auth
-from hp.core.config import RunConfig, check_name, parse_endpoint, parse_nnodes
+from hp.core.config import RunConfig, check_name, check_port, check_seconds, parse_endpoint, parse_nnodes
 from hp.core.errors import UsageError
 from hp.core.plugins import load_scaler
 from hp.core.hookspecs import hookimpl
@@ -24,6 +24,8 @@ def read_token(args: argparse.Namespace, required: bool) -> str:
                 token = f.read().strip()
         except OSError as e:
             raise UsageError(f"--token-file: {e.strerror}: {args.token_file}") from None
+        except UnicodeDecodeError:
+            raise UsageError(f"--token-file {args.token_file}: not UTF-8 text") from None
         if not token:
             raise UsageError(f"--token-file {args.token_file} is empty")
         return auth.check_token(token, f"the job token in --token-file {args.token_file}")
@@ -186,6 +188,10 @@ def _controller(args: argparse.Namespace) -> int:
     nnodes, max_nnodes = parse_nnodes(args.nnodes)
     if nnodes < 1 or (max_nnodes is not None and max_nnodes < nnodes):
         raise UsageError(f"--nnodes must be >= 1 (MIN <= MAX), got {args.nnodes}")
+    check_port(args.port, "--port")
+    check_seconds(args.heartbeat_timeout, "--heartbeat-timeout")
+    if args.max_restarts < 0 or args.lease < 1:
+        raise UsageError(f"--max-restarts must be >= 0 and --lease >= 1, got {args.max_restarts} and {args.lease}")
     if (max_nnodes is None) != (args.scaling_policy is None):
         raise UsageError("an elastic job needs both --nnodes MIN:MAX and --scaling-policy FILE")
     scaler = load_scaler(args.scaling_policy) if args.scaling_policy is not None else None

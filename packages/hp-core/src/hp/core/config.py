@@ -54,6 +54,24 @@ def parse_nnodes(text: str) -> tuple[int, int | None]:
 NAME_RE = re.compile(r"[A-Za-z0-9_.-]{1,128}")
 
 
+MAX_NPROC_PER_NODE = 1024  # workers (or spares) one agent starts: more than any node has cores or GPUs
+MAX_NODES = 65536
+MAX_SECONDS = 7 * 24 * 3600.0  # a week: any longer timeout or interval is a typo
+
+
+def check_seconds(value: float, flag: str, zero_ok: bool = False) -> float:
+    """A duration flag: finite, > 0 (>= 0 with ``zero_ok``: 0 means never), at most a week; else a one-line error."""
+    if not (value == value and (0 <= value if zero_ok else 0 < value) and value <= MAX_SECONDS):
+        raise UsageError(f"{flag} must be {'>= 0' if zero_ok else '> 0'} seconds and at most {MAX_SECONDS:g}, got {value}")
+    return value
+
+
+def check_port(value: int, flag: str) -> int:
+    if not 0 <= value <= 65535:
+        raise UsageError(f"{flag} must be in [0, 65535], got {value}")
+    return value
+
+
 def check_name(value: str, what: str) -> str:
     """A name that becomes a path component (run id, checkpoint namespace, scenario name): letters,
     digits, ``_ . -``, at most 128, not ``.`` or ``..``; else a one-line :class:`UsageError`."""
@@ -120,6 +138,7 @@ class RunConfig:
         checks = [
             (self.nnodes >= 1, f"--nnodes must be >= 1, got {self.nnodes}"),
             (self.nproc_per_node >= 1, f"--nproc-per-node must be >= 1, got {self.nproc_per_node}"),
+            (self.spares >= 0, f"--spares must be >= 0, got {self.spares}"),
             (0 <= self.node_rank < max(self.nnodes, self.max_nnodes or 0),
              f"--node-rank must be in [0, {max(self.nnodes, self.max_nnodes or 0)}), got {self.node_rank}"),
             (self.max_restarts >= 0, f"--max-restarts must be >= 0, got {self.max_restarts}"),
@@ -129,7 +148,6 @@ class RunConfig:
             (self.tee in (0, 1, 2, 3), f"--tee must be 0, 1, 2 or 3, got {self.tee}"),
             (self.start_method in ("forkserver", "spawn"),
              f"--start-method must be forkserver or spawn, got {self.start_method!r}"),
-            (self.spares >= 0, f"--spares must be >= 0, got {self.spares}"),
             (self.hang_timeout_s >= 0, f"--hang-timeout must be >= 0, got {self.hang_timeout_s}"),
             (bool(self.entrypoint), "a training script (or -m module) is required"),
             (self.max_nnodes is None or self.max_nnodes >= self.nnodes,
@@ -139,6 +157,15 @@ class RunConfig:
         for ok, message in checks:
             if not ok:
                 raise UsageError(message)
+        for flag, count, most in (("--nnodes", max(self.nnodes, self.max_nnodes or 0), MAX_NODES),
+                                  ("--nproc-per-node", self.nproc_per_node, MAX_NPROC_PER_NODE),
+                                  ("--spares", self.spares, MAX_NPROC_PER_NODE)):
+            if count > most:  # one agent's memory grows with these: bound them before anything starts
+                raise UsageError(f"{flag} must be at most {most}, got {count}")
+        for flag, value in (("--monitor-interval", self.monitor_interval_s), ("--heartbeat-interval", self.heartbeat_interval_s),
+                            ("--heartbeat-timeout", self.heartbeat_timeout_s), ("--hang-timeout", self.hang_timeout_s),
+                            ("--rdzv-timeout", self.rdzv_timeout_s), ("--grace-period", self.grace_period_s)):
+            check_seconds(value, flag, zero_ok=flag == "--hang-timeout")
         if self.scaling_policy is not None and not os.path.isfile(self.scaling_policy):
             raise UsageError(f"--scaling-policy: no such file: {self.scaling_policy}")
         for spec in self.services:
@@ -152,8 +179,7 @@ class RunConfig:
             if not 1 <= self.controller_lease_s < self.fence_after_s:
                 raise UsageError(f"--controller-lease must be >= 1 and shorter than an agent's fencing deadline "
                                  f"({self.fence_after_s:g} s: raise --heartbeat-timeout), got {self.controller_lease_s}")
-            if not 0 <= self.controller_port <= 65535:
-                raise UsageError(f"--controller-port must be in [0, 65535], got {self.controller_port}")
+            check_port(self.controller_port, "--controller-port")
             return
         multi_node = self.nnodes > 1 or self.external_controller or (self.max_nnodes or 1) > 1
         if multi_node and (self.rdzv_endpoint is None or self.rdzv_endpoint.port == 0):

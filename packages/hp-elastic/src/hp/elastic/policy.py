@@ -205,6 +205,8 @@ class ScalingPolicy:
             raise UsageError(f"scaling policy file {os.fspath(path)} does not exist") from None
         except OSError as e:
             raise UsageError(f"scaling policy file {os.fspath(path)}: {e.strerror or e}") from None
+        except UnicodeDecodeError:
+            raise UsageError(f"scaling policy file {os.fspath(path)}: not UTF-8 text") from None
         except yaml.YAMLError as e:
             where = getattr(e, "problem_mark", None)
             at = f" (line {where.line + 1})" if where is not None else ""

@@ -83,8 +83,8 @@ def config_from_args(args: argparse.Namespace) -> ManifestConfig:
     selector = {}
     for item in args.node_selector:
         key, sep, value = item.partition("=")
-        if not sep:
-            raise UsageError(f"--node-selector: expected KEY=VALUE, got {item!r}")
+        if not sep or not key:
+            raise UsageError(f"--node-selector: expected KEY=VALUE with a non-empty KEY, got {item!r}")
         selector[key] = value
     return ManifestConfig(
         name=args.name, entrypoint=args.entrypoint, args=list(args.args), module=args.module, namespace=args.namespace,

@@ -181,8 +181,9 @@ class ManifestConfig:
         value = self.not_ready_grace_s
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 3600:
             raise K8sConfigError(f"--not-ready-grace must be in (0, 3600] seconds, got {value!r}")
-        if self.ckpt_state_gib is not None and (not isinstance(self.ckpt_state_gib, (int, float)) or self.ckpt_state_gib <= 0):
-            raise K8sConfigError(f"--ckpt-state-gib must be > 0, got {self.ckpt_state_gib!r}")
+        if self.ckpt_state_gib is not None and (not isinstance(self.ckpt_state_gib, (int, float))
+                                                or not 0 < self.ckpt_state_gib <= 1 << 20):
+            raise K8sConfigError(f"--ckpt-state-gib must be > 0 and at most {1 << 20} (1 PiB), got {self.ckpt_state_gib!r}")
         names.quantity(self.cpu, "--cpu")
         names.quantity(self.memory, "--memory")
         names.quantity(self.shm, "--shm-size")

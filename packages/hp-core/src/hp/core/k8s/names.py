@@ -65,7 +65,8 @@ def secret_key(value: object, what: str) -> str:
 
 def quantity(value: object, what: str) -> str:
     """A resource quantity such as ``500m``, ``4``, ``32Gi``; positive."""
-    if not isinstance(value, str) or not QUANTITY.fullmatch(value) or value.startswith("-") or to_number(value) <= 0:
+    if not isinstance(value, str) or not QUANTITY.fullmatch(value) or value.startswith("-") or \
+            not 0 < to_number(value) < float("inf"):
         raise K8sConfigError(f"{what} must be a positive Kubernetes quantity (e.g. 4, 500m, 32Gi), got {value!r}")
     return value
 
@@ -80,7 +81,10 @@ def to_number(value: str) -> float:
         return number * BINARY[suffix]
     if suffix in DECIMAL:
         return number * DECIMAL[suffix]
-    return number * 10 ** int(suffix[1:])  # e/E exponent
+    try:
+        return number * 10.0 ** int(suffix[1:])  # e/E exponent
+    except OverflowError:  # 1e999: no quantity
+        return float("inf")
 
 
 def image(value: object, what: str = "--image") -> str:
