@@ -81,6 +81,10 @@ def test_a_failed_base_node_ends_its_agent_not_the_job(tmp_path):
     (dict(unit_partition="low;rm"), "--unit-partition"),
     (dict(port=70000), "--port"),
     (dict(job_dir="relative/dir"), "absolute"),
+    # #31 item 10: unquoted in the sbatch script's #SBATCH lines
+    (dict(job_dir="/shared/jobs/a\necho owned > /tmp/x"), "--job-dir must not contain whitespace"),
+    (dict(job_dir="/shared/my jobs/a"), "--job-dir must not contain whitespace"),
+    (dict(job_dir="/shared/jobs/%x"), "--job-dir must not contain"),
     (dict(nproc_per_node=0), "--nproc-per-node"),
 ])
 def test_bad_specs_are_one_line_errors(tmp_path, change, message):

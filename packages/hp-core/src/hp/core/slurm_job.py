@@ -75,6 +75,10 @@ class SlurmJobSpec:
             (0 < self.port < 65536, f"--port must be in 1..65535, got {self.port}"),
             (self.grace_period_s > 0, f"--grace-period must be > 0, got {self.grace_period_s}"),
             (os.path.isabs(self.job_dir), f"--job-dir must be an absolute path, got {self.job_dir!r}"),
+            # it goes into the sbatch script's #SBATCH --output= lines, which nothing quotes: a newline there
+            # would start a command line of the script, a space end the option, a % be Slurm's pattern
+            (not any(c.isspace() or not c.isprintable() or c in "%\\\"'`$;&|<>" for c in self.job_dir),
+             f"--job-dir must not contain whitespace, control characters or any of %\\\"'`$;&|<>, got {self.job_dir!r}"),
         ]
         for ok, message in checks:
             if not ok:
