@@ -203,6 +203,23 @@ def test_cli_finds_the_newest_results_file_upward(tmp_path):
     assert r["goodput_at_16k"] is None and r["goodput_at_largest"]["gpus"] == 64
 
 
+def test_cli_passes_over_newer_files_that_lack_what_it_needs(tmp_path):
+    """#31 item 14: the newest file was a test-suite durations file ("missing key benchmarks.recovery...")."""
+    import os
+
+    found = tmp_path / "benchmarks" / "results"
+    found.mkdir(parents=True)
+    (found / "2026-01-01-all.json").write_text(json.dumps(RESULTS))
+    (found / "2026-02-01-suite.json").write_text(json.dumps({"schema": "suite", "tests": []}))
+    (found / "2026-03-01-broken.json").write_text("{not json")
+    os.utime(found / "2026-01-01-all.json", (1, 1))  # the oldest of the three
+    out = _hp("--seeds", "1", "--days", "1", "--max-gpus", "32", "--no-png", "--json", cwd=tmp_path)
+    assert out.returncode == 0, out.stderr
+    assert json.loads(out.stdout.strip().splitlines()[-1])["config"]["results"] == str(found / "2026-01-01-all.json")
+    (found / "2026-01-01-all.json").unlink()
+    assert "with every key the simulation needs" in _one_line_error(_hp("--no-png", cwd=tmp_path))
+
+
 def test_png_without_matplotlib_is_a_one_line_usage_error(monkeypatch, tmp_path):
     from hp.chaos import goodput_cli
 

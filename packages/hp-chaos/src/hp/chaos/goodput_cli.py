@@ -31,11 +31,30 @@ SCALE_NOTE = ("measured on the results file's machine (small model, few CPU rank
 PLOT_HINT = "pip install matplotlib (a dependency of hp-chaos)"
 
 
+MAX_RESULTS_BYTES = 64 << 20  # a results file of `hp bench all` is a few hundred KB
+
+
+def _has_every_key(path: str) -> bool:
+    """Whether ``path`` is a results file this simulation can use (``hp bench all``'s: every key of KEYS);
+    other files in the folder (test-suite durations, single benchmarks) are passed over."""
+    try:
+        if os.path.getsize(path) > MAX_RESULTS_BYTES:
+            return False
+        with open(path, encoding="utf-8") as f:
+            doc = json.load(f)
+        for dotted in KEYS.values():
+            _get(doc, dotted, path)
+        return True
+    except (OSError, ValueError, UsageError):
+        return False
+
+
 def find_results(start: str) -> str | None:
-    """The newest ``benchmarks/results/*.json`` in ``start`` or the nearest parent that has one."""
+    """The newest ``benchmarks/results/*.json`` that has every key the simulation needs, in ``start`` or the
+    nearest parent whose ``benchmarks/results`` has one."""
     d = os.path.abspath(start)
     while True:
-        found = glob.glob(os.path.join(d, "benchmarks", "results", "*.json"))
+        found = [p for p in glob.glob(os.path.join(d, "benchmarks", "results", "*.json")) if _has_every_key(p)]
         if found:
             return max(found, key=os.path.getmtime)
         parent = os.path.dirname(d)
@@ -162,7 +181,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         raise UsageError("need 16 <= --min-gpus <= --max-gpus")
     path = args.results or find_results(os.getcwd())
     if path is None:
-        raise UsageError("no benchmarks/results/*.json found from here upward: pass --results PATH or run `hp bench all`")
+        raise UsageError("no benchmarks/results/*.json with every key the simulation needs found from here upward "
+                         "(a results file of `hp bench all`): pass --results PATH or run `hp bench all`")
     costs, inputs = resolve_inputs(args, path)
     sizes = [2 ** k for k in range(16) if args.min_gpus <= 2 ** k <= args.max_gpus] or [args.min_gpus]
     rows = sim.simulate(costs, args.mttf_source, sizes, args.days, args.seeds, args.seed)
