@@ -8,8 +8,9 @@ held. A worker thread still finishing the last gradient all-reduce needs the GIL
 work holds the backward pass's thread-local Python state (the ``contextvars`` context torch stashes for
 every backward). Both wait forever: the script printed its last line and never exits. Measured on the
 2-core box with two spinning processes beside it: ``hp run --nproc-per-node 4 examples/train_ddp.py``
-hung in 3 of 10 runs (forked workers; the thread is late more often there), torchrun 0 of 20, spawn 0 of
-12 (``gdb``: the main thread in ``~ProcessGroupGloo`` → ``thread::join`` under ``~Reducer``, the
+hung in 3 of 10 runs, torchrun 0 of 20, spawn 0 of 12: the DDP module is freed at ``main()``'s return
+only when ``torch._dynamo`` was imported before DDP was built, as hp's fork server preloads it (else a
+reference cycle keeps DDP, and the group, past ``main``) (``gdb``: the main thread in ``~ProcessGroupGloo`` → ``thread::join`` under ``~Reducer``, the
 ``pt_gloo_runloop`` thread in ``take_gil`` under ``~AsyncWork`` → ``~ThreadLocalState``).
 
 The cure is the order of the last two references: a group ``destroy_process_group`` removes is held here
