@@ -18,8 +18,14 @@ from hp.chaos.slurm_elastic import SlurmElasticConfig, run_slurm_elastic, timing
 # pytest's default 300 s cut a slow run (two of these side by side: one took 307 s) before it could say
 pytestmark = pytest.mark.timeout(600)
 # half the default's samples per step (12 micro-batches of 2): the events take as long, the steps around them
-# and the fixed-size reference (shared by the two 200-step runs: chaos_reference_cache) half as long
+# and the fixed-size reference half as long
 BATCH = {"global_batch": 24, "micro_batch": 2}
+
+
+def _ended_at_run_time(r: dict) -> bool:
+    """The job ended `finish_after` steps after its last event (hp finish, agreed by every rank), before the
+    most it could run; the reference ran to the same step."""
+    return r["finished_at"] is not None and r["finished_at"] == r["steps"] - 1 < r["max_steps"] - 1
 
 
 def _turns(sizes: list[int]) -> list[int]:
@@ -32,12 +38,12 @@ def test_grow_preempt_regrow_and_node_down_bit_identical(tmp_path, chaos_referen
     # a grace time of 20 s: a loaded 2-core box (a fresh-clone suite run) took more than 10 s to tear a preempted
     # unit's processes down after its rank had left (0.7 s after the notice), and Slurm recorded TIMEOUT
     r = run_slurm_elastic(SlurmElasticConfig(log_dir=str(tmp_path), steps=400, grace_s=20, **BATCH), chaos_reference_cache)
-    brief = {k: r.get(k) for k in ("error", "world_sizes", "marks", "units", "base_state", "shrink_s", "grow_s",
+    brief = {k: r.get(k) for k in ("error", "steps", "finished_at", "world_sizes", "marks", "units", "base_state", "shrink_s", "grow_s",
                                    "state_differences", "error_tail")}
     assert r["completed"], json.dumps(brief, indent=1)
     turns = _turns(r["world_sizes"])  # 3 first when a unit's node was up before the job's first step
     assert turns[0] in (2, 3) and turns[1:] == [4, 2, 4, 3], brief
-    assert r["lost_steps"] == 0, brief
+    assert r["lost_steps"] == 0 and _ended_at_run_time(r), brief
     assert r["losses_equal"] and r["state_equal"] and r["bitwise_equal"], brief
     # the preempted units' ranks left within the unit partition's grace time, and their jobs ended by themselves
     assert len(r["shrink_s"]) == 1 and r["shrink_s"][0] < r["grace_s"], brief
@@ -53,14 +59,14 @@ def test_the_job_grows_to_its_qos_quota_then_into_the_raised_quota(tmp_path, cha
     """Slurm accounting (MariaDB + slurmdbd) enforcing a QOS that lets the user hold 3 of the 4 nodes: the
     2-node base grows by one unit, the other waits for the quota (Slurm's reason), and capacity() says 3;
     the quota raised to 4, the waiting unit starts and the job grows to 4. Bit-identical to a 4-rank run."""
-    r = run_slurm_elastic(SlurmElasticConfig(log_dir=str(tmp_path), steps=200, quota=3, node_down=False, **BATCH),
+    r = run_slurm_elastic(SlurmElasticConfig(log_dir=str(tmp_path), steps=300, quota=3, node_down=False, **BATCH),
                           chaos_reference_cache)
-    brief = {k: r.get(k) for k in ("error", "world_sizes", "marks", "units", "base_state", "grow_s",
+    brief = {k: r.get(k) for k in ("error", "steps", "finished_at", "world_sizes", "marks", "units", "base_state", "grow_s",
                                    "base_capacity_log", "state_differences", "error_tail")}
     assert r["completed"], json.dumps(brief, indent=1)
     # 3 first when the unit within the quota was up before the job's first step (seen under load)
     assert r["world_sizes"] in ([2, 3, 4], [3, 4]), brief
-    assert r["lost_steps"] == 0 and r["bitwise_equal"], brief
+    assert r["lost_steps"] == 0 and r["bitwise_equal"] and _ended_at_run_time(r), brief
     at_quota, raised = [m for m in r["marks"] if m["kind"] == "capacity_read"]
     assert (at_quota["hosts"], at_quota["quota_hosts"]) == (3, 3), brief
     assert at_quota["waiting"] == ["QOSMaxNodePerUserLimit"], brief
@@ -74,16 +80,16 @@ def test_a_failed_base_node_is_replaced_and_the_job_never_stops(tmp_path, chaos_
     the base job (--no-kill) and kills its agent; the base job tells the controller at once (node_failed),
     the job trains on at 3, and a replacement job for node rank 1 starts on the free node and joins (4).
     Bit-identical to a 4-rank run."""
-    r = run_slurm_elastic(SlurmElasticConfig(log_dir=str(tmp_path), steps=200, base_down=True, node_down=False, **BATCH),
+    r = run_slurm_elastic(SlurmElasticConfig(log_dir=str(tmp_path), steps=300, base_down=True, node_down=False, **BATCH),
                           chaos_reference_cache)
-    brief = {k: r.get(k) for k in ("error", "world_sizes", "marks", "units", "base_state", "grow_s", "events",
+    brief = {k: r.get(k) for k in ("error", "steps", "finished_at", "world_sizes", "marks", "units", "base_state", "grow_s", "events",
                                    "state_differences", "error_tail")}
     assert r["completed"], json.dumps(brief, indent=1)
     # the unit nodes are free from the start: the base job starts the job at 2, at 3 when a unit's node was up
     # before its first step, or at 4 when both were (each seen in CI); the units may join together (2 -> 4)
     turns = _turns(r["world_sizes"])
     assert turns[:-3] in ([], [2], [3]) and turns[-3:] == [4, 3, 4], brief
-    assert r["lost_steps"] == 0 and r["bitwise_equal"], brief
+    assert r["lost_steps"] == 0 and r["bitwise_equal"] and _ended_at_run_time(r), brief
     shrink = next(e for e in r["events"] if e["to"] < e["from"])
     # told by the scheduler, not found out a heartbeat timeout (30 s) later
     assert shrink["gap_s"] < 10, shrink

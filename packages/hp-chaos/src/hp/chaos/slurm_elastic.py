@@ -24,8 +24,11 @@ node of base node rank 1 is set DOWN instead. The base job (``--no-kill``) goes 
 are lost (``max`` → ``max - 1``) and a replacement job for that node rank starts on the free node and
 joins (back to ``max``).
 
-Then the job trains to its last step. Its per-step losses and every rank's final state are compared,
-bit for bit, with a fixed-size run at the final size (:func:`hp.elastic.demo.run.reference_run`).
+Then, ``finish_after`` steps at the final size after the last event, the run asks the job to end
+(``hp finish``: every rank ends after the same step, agreed in a commit vote); ``steps`` is the most it
+may run. Its per-step losses and every rank's final state are compared, bit for bit, with a fixed-size
+run at the final size to the same step (:func:`hp.elastic.demo.run.reference_run`, run afterwards: the
+demo's training has no schedule tied to ``--steps``).
 ``shrink_s``: the preemption notice (the controller's ``preempt`` decision: the unit's agent asks to
 leave when Slurm's SIGTERM arrives) → the first commit at the smaller size; ``grow_s``: capacity back
 (the high job's last instant, written by the job itself) → the first commit at ``max`` again.
@@ -39,7 +42,7 @@ import os
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import TYPE_CHECKING
 
 from hp.core.slurm import SlurmCli
@@ -56,7 +59,8 @@ QOS = "hpquota"
 
 @dataclass
 class SlurmElasticConfig:
-    steps: int = 400
+    steps: int = 400  # the most the job may run (it ends `finish_after` steps after the last event)
+    finish_after: int = 5  # 0: run to `steps`
     min_nodes: int = 2
     max_nodes: int = 4
     global_batch: int = 48
@@ -93,6 +97,7 @@ class _Run:
             run_id=f"slurm{os.getpid()}", grace_period_s=max(1.0, cfg.grace_s - 1.5),
             run_flags=["--tee", "0", "--monitor-interval", "0.05"],
             sbatch_options=[f"--qos={QOS}"] if cfg.quota else [])
+        self.token = os.urandom(16).hex()
         self.deadline = time.monotonic() + cfg.timeout_s
         self.marks: list[dict] = []  # what this run did, when (wall clock)
 
@@ -162,7 +167,7 @@ class _Run:
         from hp.core.slurm_accounting import set_qos
 
         cfg, quota = self.cfg, self.cfg.quota
-        submit(self.spec, os.urandom(16).hex(), self.cli)
+        submit(self.spec, self.token, self.cli)
         self.mark("submitted")
         self.wait(f"{cfg.hold_steps} steps at the quota ({quota} nodes)", self.held(quota, 0.0))
         self.marks.append({"kind": "capacity_read", **self.capacity()})
@@ -170,12 +175,12 @@ class _Run:
         t = self.mark("capacity", how=f"the QOS quota raised to {cfg.max_nodes} nodes")
         self.wait(f"the job growing into the raised quota ({quota} -> {cfg.max_nodes})", self.held(cfg.max_nodes, t))
         self.marks.append({"kind": "capacity_read", **self.capacity()})
-        self.finish()
+        self.finish(cfg.max_nodes, t)
 
     def drive_base_down(self) -> None:
         """The base-node-failure scenario (module docstring): lose base node 1, grow back on a replacement."""
         cfg, high = self.cfg, self.cfg.max_nodes
-        submit(self.spec, os.urandom(16).hex(), self.cli)
+        submit(self.spec, self.token, self.cli)
         self.mark("submitted")
         self.wait(f"{cfg.hold_steps} steps at {high} nodes", self.held(high, 0.0))
         base = next(j for j in self.cli.jobs([self.spec.job_name()]) if j.state == "RUNNING")
@@ -185,9 +190,28 @@ class _Run:
         self.wait(f"the shrink after base node {node} went DOWN", lambda cs: any(w < high for tt, _, w in cs if tt > t))
         t2 = self.mark("capacity", how="the replacement of the failed base node")
         self.wait(f"the replacement growing the job back to {high}", self.held(high, t2))
-        self.finish()
+        self.finish(high, t2)
 
-    def finish(self) -> None:
+    def finish(self, world: int, since: float) -> None:
+        """``finish_after`` steps at ``world`` after ``since``, ``hp finish`` (to the controller on the base's
+        first node); then wait for the base job to end."""
+        if self.cfg.finish_after:
+            from hp.core.auth import OPERATOR
+            from hp.core.control_plane import ControlClient, ControlPlaneError
+            from hp.core.protocol import Verb
+            from hp.core.slurm_job import head_endpoint
+
+            self.wait(f"{self.cfg.finish_after} steps at {world} before finishing",
+                      lambda cs: sum(1 for t, _, w in cs if t > since and w == world) >= self.cfg.finish_after)
+            base = next((j for j in self.cli.jobs([self.spec.job_name()]) if j.state == "RUNNING"), None)
+            if base is None:
+                raise _Failed("the base job is not running: nothing to ask to finish")
+            self.mark("finish")
+            try:
+                ControlClient(head_endpoint(self.cli, base.nodes, self.spec.port), self.token, node=OPERATOR).call(
+                    Verb.FINISH, {"reason": "the Slurm elastic run saw its scale events"})
+            except ControlPlaneError as e:
+                raise _Failed(f"hp finish was refused: {e}") from None
         while self.base_state() in ("PENDING", "RUNNING", "CONFIGURING", "COMPLETING"):
             if time.monotonic() > self.deadline:
                 raise _Failed("the job did not finish in time")
@@ -202,7 +226,7 @@ class _Run:
     def drive(self) -> None:
         cfg, low, high = self.cfg, self.cfg.min_nodes, self.cfg.max_nodes
         tenant = self.hold_nodes(high - low)
-        submit(self.spec, os.urandom(16).hex(), self.cli)
+        submit(self.spec, self.token, self.cli)
         self.mark("submitted")
         self.wait(f"{cfg.hold_steps} steps at {low} nodes", self.held(low, 0.0))
         self.cli.scancel(tenant)
@@ -223,7 +247,9 @@ class _Run:
             self.cli.set_node_state(node, "DOWN", "hp-test")
             t = self.mark("node_down", node=node)
             self.wait(f"the shrink after {node} went DOWN", lambda cs, t=t: any(w == high - 1 for tt, _, w in cs if tt > t))
-        self.finish()
+            self.finish(high - 1, t)
+        else:
+            self.finish(high, self.marks[-1]["t"])
 
 
 def timings(commits: list[tuple[float, int, int]], decisions: list[dict], marks: list[dict], low: int,
@@ -262,13 +288,6 @@ def run_slurm_elastic(cfg: SlurmElasticConfig, cache: ReferenceCache | None = No
                              model_size=cfg.model_size, exact=cfg.exact, corpus_mb=cfg.corpus_mb, seed=cfg.seed,
                              log_dir=root, timeout_s=cfg.timeout_s)
     final = cfg.max_nodes - (1 if cfg.node_down and not (cfg.quota or cfg.base_down) else 0)
-    reference = None
-    if cfg.reference:  # keyed by what decides its bits: the policy, the training arguments and the size
-        from hp.chaos.runner import ReferenceCache
-
-        with open(policy) as f:
-            key = ("slurm_elastic", f.read(), tuple(train_argv(demo, "POLICY")), final)
-        reference = (cache or ReferenceCache()).run(key, lambda d: reference_run(demo, d, policy, ranks=final), root)
     error, start = None, time.monotonic()
     with LocalSlurm(nodes=cfg.max_nodes + cfg.base_down, grace_s=cfg.grace_s, accounting=cfg.quota is not None) as slurm:
         run = _Run(cfg, slurm, root, policy, train_argv(demo, policy))
@@ -293,15 +312,26 @@ def run_slurm_elastic(cfg: SlurmElasticConfig, cache: ReferenceCache | None = No
     steps = sorted(worlds)
     sequence = [worlds[s] for i, s in enumerate(steps) if i == 0 or worlds[s] != worlds[steps[i - 1]]]
     got_losses = {s: {e["loss"] for e in es} for s, es in commits(events).items()}
+    # the step every rank ended after (hp finish, agreed in a commit vote), or the last one committed
+    ended = {e["step"] for e in events if e["event"] == "finish_agreed"}
+    last = max(ended) if len(ended) == 1 else max(steps, default=-1)
     result = {
-        "completed": error is None and base_state == "COMPLETED" and len(got_losses) == cfg.steps,
-        "config": asdict(cfg), "world_sizes": sequence, "lost_steps": lost_steps(events, cfg.steps),
+        "completed": error is None and base_state == "COMPLETED" and len(got_losses) == last + 1,
+        "config": asdict(cfg), "steps": last + 1, "max_steps": cfg.steps,
+        "finished_at": last if len(ended) == 1 and any(m["kind"] == "finish" for m in run.marks) else None,
+        "world_sizes": sequence, "lost_steps": lost_steps(events, last + 1),
         "events": scale_events(events), "marks": run.marks, "base_state": base_state, "units": units,
         **timings(run.commits(), decisions, run.marks, cfg.min_nodes, cfg.max_nodes),
         "grace_s": cfg.grace_s, "wall_s": round(wall, 2), "log_dir": root,
         "base_capacity_log": _lines(glob.glob(os.path.join(run.spec.job_dir, f"{run.spec.job_name()}-*.out")), "capacity:"),
     }
-    if reference is not None:
+    if cfg.reference and last >= 0:  # to the step the job ended after; keyed by what decides its bits
+        from hp.chaos.runner import ReferenceCache
+
+        ref_demo = replace(demo, steps=last + 1)
+        with open(policy) as f:
+            key = ("slurm_elastic", f.read(), tuple(train_argv(ref_demo, "POLICY")), final)
+        reference = (cache or ReferenceCache()).run(key, lambda d: reference_run(ref_demo, d, policy, ranks=final), root)
         ref_losses = {s: {e["loss"] for e in es} for s, es in commits(reference.events).items()}
         state = compare_state(reference, RunResult(0, wall, events, ""), nproc=final)
         result.update(losses_equal=ref_losses == got_losses and all(len(v) == 1 for v in got_losses.values()), **state)
