@@ -13,6 +13,7 @@ from hp.chaos.faults import fault_kinds
 from hp.chaos.faults.base import AtStep, ScenarioError
 from hp.chaos.faults.elastic import JoinAt, PreemptAt
 from hp.chaos.faults.process import SignalAt
+from hp.chaos.finish import FinishAfter
 from hp.chaos.launch import ELASTIC_TRAIN, JobRun, Live, _Tail, controller_command, demo_config, node_command
 from hp.chaos.report import format_table
 from hp.chaos.runner import evaluate
@@ -107,6 +108,33 @@ def test_elastic_keys_need_an_elastic_job(fault, expect, key):
     assert e.value.key == key
 
 
+@pytest.mark.parametrize("path, value", [("job.finish_after", 0), ("job.finish_after", "soon"),
+                                         ("expect.world_sizes", ...)])  # what ends the run: its events
+def test_a_run_time_end_needs_a_count_and_the_world_sizes_it_waits_for(path, value):
+    with pytest.raises(ScenarioError) as e:
+        parse_scenario(replaced(with_("job.finish_after", 3), path, value))
+    assert e.value.key == "job.finish_after"
+
+
+def test_the_finish_waits_for_every_fault_then_the_world_sizes_then_steps_at_the_last():
+    s = parse_scenario(with_("job.finish_after", 2))
+    action, job = FinishAfter(s.faults, s.expect.world_sizes, 2), FakeJob()
+    t = iter(range(1000))
+    for world, steps in ((2, 4), (1, 2), (2, 2), (3, 2), (2, 1)):
+        job.evs += [e for _ in range(steps) for e in commits(job.committed() + 1, float(next(t)), world, world)]
+    assert not action.ready(job)  # no fault has fired yet
+    job.evs += [{"t": 1.0, "event": "fault_injected", "kind": "kill", "phase": "forward", "step": 4, "rank": 1},
+                {"t": 2.0, "event": "fault_injected", "kind": "join", "step": 6, "fault": 1}]
+    job.evs += [e for e in commits(job.committed() + 1, float(next(t)), 2, 9)]
+    assert not action.ready(job)  # the preempt (fault 2) has not
+    job.evs += [{"t": 3.0, "event": "fault_injected", "kind": "preempt", "step": 8, "fault": 2}]
+    assert not action.ready(job)  # nothing committed since it last looked
+    job.evs += [e for e in commits(job.committed() + 1, float(next(t)), 2, 9)]
+    assert action.ready(job)  # [2, 1, 2, 3, 2] and 3 steps at the last size (fault 0: the rank's own record)
+    assert action.fire(job) is None and job.recorded[-1][0] == "finish"
+    assert not FinishAfter(s.faults, s.expect.world_sizes, 4).ready(job)  # 3 steps at the last size, not 4
+
+
 def test_a_node_joins_again_after_it_left_and_a_standalone_controller_lets_node_0_leave():
     again = with_("faults", [{"at_step": 5, "kind": "preempt", "target": "node:1"},
                              {"at_step": 9, "kind": "join", "target": "node:1"},
@@ -165,6 +193,9 @@ class FakeJob:
 
     def record(self, event: str, **fields) -> None:
         self.recorded.append((event, fields))
+
+    def finish(self, reason: str) -> None:
+        self.recorded.append(("finish", {"reason": reason}))
 
 
 def test_an_event_triggered_fault_waits_for_its_step_then_for_the_event():
@@ -349,3 +380,15 @@ def test_hp_chaos_faults_lists_the_elastic_kinds():
     rows = {r["kind"]: r for r in __import__("json").loads(out)}
     assert rows["preempt"]["targets"] == ["node"] and rows["join"]["targets"] == ["node"]
     assert "SIGTERM" in rows["preempt"]["doc"] and "joins the running job" in rows["join"]["doc"]
+
+
+def test_a_job_that_should_end_at_run_time_and_ran_to_its_last_step_is_named():
+    scenario = parse_scenario({**SHRINK, "job": {**SHRINK["job"], "finish_after": 2},
+                               "expect": {"world_sizes": [2, 1, 2, 1]}})
+    r = evaluate(scenario, reference_run(), shrink_and_grow())
+    assert r["failures"] == ["finish_after: the job ran to its last step (12) instead of ending 2 steps after "
+                             "its events (hp finish)"] and r["finished_at"] is None
+    run = shrink_and_grow()
+    run.result.events.append({"t": 12.6, "pid": 100, "event": "finish_agreed", "rank": 0, "step": 11})
+    r = evaluate(scenario, reference_run(), run)
+    assert r["passed"] and (r["finished_at"], r["steps"]) == (11, 12), r["failures"]

@@ -208,6 +208,8 @@ class Live:
     starter: Callable[[int, str], subprocess.Popen] | None = None  # (node, log dir name) -> a new agent
     etcd: Any = None  # job.store etcd: the run's hp.core.etcd_store.EtcdServer (the agents elect the controller)
     decision_log: _DecisionTail | None = None  # the nodes' controller decisions (read with etcd only)
+    endpoint: str | None = None  # the controller's HOST:PORT (tcp store), for hp finish
+    token: str | None = None  # the job token, for hp finish
     _committed: int = -1
     _spares: dict[str, int] = field(default_factory=dict)
     _ranks: dict[int, tuple[int, float, int]] = field(default_factory=dict)  # rank -> (generation, t, pid)
@@ -278,6 +280,18 @@ class Live:
     def record(self, event: str, **fields: Any) -> None:
         self.log.record(event, **fields)
 
+    def finish(self, reason: str) -> None:
+        """``hp finish``: the controller tells every rank, in the same commit vote, to end after that step."""
+        from hp.core.auth import OPERATOR
+        from hp.core.control_plane import ControlClient
+        from hp.core.protocol import Verb
+
+        if self.endpoint is None or self.token is None or self.etcd is not None:
+            raise RuntimeError("this run has no controller endpoint and job token to ask to finish")
+        if self.topology is not None:
+            self.topology.host_address()  # the host's own address on the nodes' bridge: a route to node 0
+        ControlClient(self.endpoint, self.token, node=OPERATOR).call(Verb.FINISH, {"reason": reason})
+
 
 @dataclass
 class JobRun:
@@ -317,6 +331,8 @@ def run_job(job: JobSpec, log_dir: str, hp_faults: list[dict], actions: list[Act
         node_dirs = [log_dir] if job.max_nodes == 1 else [os.path.join(log_dir, f"node{i}") for i in range(job.nodes)]
         host = topo.address(0) if topo else "127.0.0.1"
         endpoint = f"{host}:{free_port()}" if topo or job.controller == "standalone" or policy else None
+        if job.finish_after:  # the runner asks the controller to finish: with the job token
+            base_env.setdefault(auth.TOKEN_ENV, auth.new_token())
         etcd, run_id = None, None
         if job.store == "etcd":  # every agent is a controller candidate; the store is etcd, outside every node
             etcd = _start_etcd(stack, topo.host_address() if topo else "127.0.0.1", log_dir)
@@ -343,7 +359,8 @@ def run_job(job: JobSpec, log_dir: str, hp_faults: list[dict], actions: list[Act
             agents.append(start_node(i, node_dir))
         live = Live(agents, _Tail([os.path.join(d, "events") for d in node_dirs]),
                     EventLog(os.path.join(node_dirs[0], "events"), "chaos"), storage, topo, job.spares, controller,
-                    starter=join, etcd=etcd, decision_log=_DecisionTail(node_dirs) if etcd is not None else None)
+                    starter=join, etcd=etcd, decision_log=_DecisionTail(node_dirs) if etcd is not None else None,
+                    endpoint=endpoint, token=base_env.get(auth.TOKEN_ENV))
         try:
             timed_out, errors = _watch(live, list(actions), start + job.timeout_s)
         finally:
@@ -399,7 +416,8 @@ def _watch(live: Live, actions: list[Action], deadline: float) -> tuple[bool, li
                             due = time.monotonic() + action.duration_s if action.duration_s else float("inf")
                             undos.append((due, undo))
                 except Exception as e:  # a fault that cannot be applied is a result, not a crash
-                    pending.remove(action)
+                    if action in pending:  # ready() raised (fire() is called once removed)
+                        pending.remove(action)
                     errors.append(f"{type(action).__name__}: {type(e).__name__}: {e}")
             for item in [u for u in undos if u[0] <= time.monotonic()]:
                 undos.remove(item)

@@ -47,6 +47,7 @@ from typing import Any
 from hp.chaos import bench_goodput
 from hp.chaos.faults import fault_kinds
 from hp.chaos.faults.base import FaultSpec
+from hp.chaos.finish import FinishAfter
 from hp.chaos.launch import JobRun, run_job
 from hp.chaos.reproducible import reference_recheck
 from hp.chaos.scenario import JobSpec, Scenario
@@ -150,26 +151,39 @@ def run_scenario(scenario: Scenario, log_dir: str | None = None, cache: Referenc
         injection = kinds[spec.kind].inject(spec, scenario.job.shape)
         hp_faults += injection.hp_faults
         actions += injection.actions
-    reference = (cache or ReferenceCache()).get(scenario.job, env, root)
+    cache = cache or ReferenceCache()
+    reference = None
+    if scenario.job.finish_after:  # the job ends at run time (hp.chaos.finish): the reference runs to that step after
+        actions.append(FinishAfter(scenario.faults, scenario.expect.world_sizes, scenario.job.finish_after))
+    else:
+        reference = cache.get(scenario.job, env, root)
     faulted_dir, persisted = os.path.join(root, "faulted"), None
     with _checkpoint_storage(scenario.job, faulted_dir) as ck:
         faulted = run_job(scenario.job, faulted_dir, hp_faults, actions, env=_env(env, ck),
                           storage=storage or (ck.server if ck else None), train_args=ck.train_args if ck else ())
         if ck and scenario.expect.persisted_step is not None:
             persisted = ck.wait_persisted(scenario.expect.persisted_step)
+    ref_job = replace(scenario.job, steps=ran_to(faulted.result.events, scenario.job.steps))
+    if reference is None:
+        reference = cache.get(ref_job, env, root)
     result = evaluate(scenario, reference, faulted, persisted)
     if scenario.expect.bitwise_equal and result["bitwise_equal"] is False and reference.returncode == 0:
-        why = reference_recheck(reference, lambda: _reference(scenario.job, os.path.join(root, "reference-again"), env))
+        why = reference_recheck(reference, lambda: _reference(ref_job, os.path.join(root, "reference-again"), env))
         result["failures"] = [f"{f}; {why}" if f.startswith("bitwise_equal:") else f for f in result["failures"]]
     result["log_dir"] = root
     return result
 
 
-def _matches(spec: FaultSpec, event: dict) -> bool:
-    if "fault" in event:  # recorded by the runner for an action it performed
-        return event["fault"] == spec.index
-    return (spec.target.kind == "rank" and event.get("kind") == spec.kind and event.get("rank") == spec.target.index
-            and event.get("step") == spec.at_step and event.get("phase") == spec.phase)
+def finished_at(events: list[dict]) -> int | None:
+    """The step every rank ended after when the job was asked to finish (``finish_agreed``), else None."""
+    ended = {e["step"] for e in events if e["event"] == Event.FINISH_AGREED}
+    return ended.pop() if len(ended) == 1 else None
+
+
+def ran_to(events: list[dict], steps: int) -> int:
+    """How many steps the job ran: to the step it finished after, or its ``steps``."""
+    end = finished_at(events)
+    return steps if end is None else end + 1
 
 
 def _next_commit(events: list[dict], t0: float, step: int) -> float | None:
@@ -233,7 +247,7 @@ def evaluate(scenario: Scenario, reference: RunResult, run: JobRun, persisted: d
     injected = [e for e in events if e["event"] == Event.FAULT_INJECTED]
     faults = []
     for spec in scenario.faults:
-        j = next((j for j, e in enumerate(injected) if _matches(spec, e)), None)
+        j = next((j for j, e in enumerate(injected) if spec.injected_by(e)), None)
         entry = timeline[j] if j is not None else {"recovery_s": None, "phases": {}}
         phases, recovery = dict(entry["phases"]), None
         if j is not None:
@@ -277,7 +291,7 @@ def evaluate(scenario: Scenario, reference: RunResult, run: JobRun, persisted: d
         if not f["fired"]:
             failures.append(f"faults[{i}] ({f['fault']}) never fired")
         elif scenario.faults[i].kind == "preempt":  # a graceful leave: the preempted agent exits 0
-            event = next(e for e in injected if _matches(scenario.faults[i], e))
+            event = next(e for e in injected if scenario.faults[i].injected_by(e))
             f["agent_exit"] = exits.get(event.get("pid"))
             if f["agent_exit"] != 0:
                 failures.append(f"faults[{i}] ({f['fault']}): the preempted agent exited {f['agent_exit']}, "
@@ -316,6 +330,9 @@ def evaluate(scenario: Scenario, reference: RunResult, run: JobRun, persisted: d
         failures.append(f"error_contains: {expect.error_contains!r} not in the faulted job's output")
     if expect.world_sizes is not None and elastic["world_sizes"] != expect.world_sizes:
         failures.append(f"world_sizes: expected {expect.world_sizes}, got {elastic['world_sizes']}")
+    if scenario.job.finish_after and completed and finished_at(events) is None:
+        failures.append(f"finish_after: the job ran to its last step ({scenario.job.steps}) instead of ending "
+                        f"{scenario.job.finish_after} steps after its events (hp finish)")
     if expect.max_pause_s is not None:
         for c in elastic["scale_events"]:
             pause = c["pause_s"] if c["pause_s"] is not None else c["gap_s"]
@@ -340,7 +357,8 @@ def evaluate(scenario: Scenario, reference: RunResult, run: JobRun, persisted: d
         "returncode": faulted.returncode,
         "recoveries": recoveries,
         "faults": faults,
-        "steps": scenario.job.steps,
+        "steps": ran_to(events, scenario.job.steps),
+        "finished_at": finished_at(events),
         "step_time_s": step_time(reference),
         "wall_s": {"reference": reference.wall_s, "faulted": faulted.wall_s},
         "orphans_killed": run.orphans_killed,

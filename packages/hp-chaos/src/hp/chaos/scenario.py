@@ -103,6 +103,9 @@ class JobSpec:
     timeout_s: float = 240.0  # a hang guard per job, not a measurement
     checkpoint: CheckpointSpec | None = None  # a mapping in the file; see CheckpointSpec
     elastic: ElasticSpec | None = None  # a mapping in the file; see ElasticSpec
+    # the runner ends the job (hp finish) this many steps at its last size after every fault fired and the run
+    # went through expect.world_sizes; `steps` is then the most it may run, and the reference runs to its end
+    finish_after: int | None = None
 
     @property
     def max_nodes(self) -> int:
@@ -149,7 +152,7 @@ class Scenario:
     source: str | None = None
 
 
-_MINIMUM = {"nodes": 1, "nproc_per_node": 1, "spares": 0, "steps": 2, "seed": 0, "max_restarts": 0, "corpus_mb": 1,
+_MINIMUM = {"nodes": 1, "nproc_per_node": 1, "spares": 0, "steps": 2, "finish_after": 1, "seed": 0, "max_restarts": 0, "corpus_mb": 1,
             "hang_timeout_s": 0.1, "timeout_s": 1.0, "heartbeat_timeout_s": 2.5,
             "every": 1, "persist_every": 1, "persisted_step": 0,
             "min_replicas": 1, "max_replicas": 1, "global_batch": 1, "micro_batch": 1, "max_nodes": 1}
@@ -255,6 +258,9 @@ def parse_scenario(raw: Any, source: str | None = None) -> Scenario:
                                 f"job.checkpoint.persist_every={ckpt.persist_every} below job.steps={job.steps}), "
                                 f"got {expect.persisted_step}")
     _check_elastic_expect(expect, job)
+    if job.finish_after is not None and (expect.world_sizes is None or job.store != "tcp"):
+        raise ScenarioError("job.finish_after", "needs expect.world_sizes (the run's events, after which it "
+                                                    "ends) and the tcp store (hp finish goes to the controller)")
     _check_failover_expect(expect, job, specs)
     _check_joins(specs, job)
     if job.checkpoint is None:

@@ -121,6 +121,14 @@ class FaultSpec:
         phase = f" ({self.phase})" if self.phase else ""
         return f"{self.kind} of {self.target} at step {self.at_step}{phase}"
 
+    def injected_by(self, event: dict) -> bool:
+        """Whether ``event`` (a ``fault_injected``) is this fault's: the runner's record of an action it
+        performed names the fault; a rank's own records its kind, rank, step and phase."""
+        if "fault" in event:
+            return event["fault"] == self.index
+        return (self.target.kind == "rank" and event.get("kind") == self.kind and event.get("rank") == self.target.index
+                and event.get("step") == self.at_step and event.get("phase") == self.phase)
+
 
 class LiveJob(Protocol):
     """What the runner shows an action while the faulted job runs."""
@@ -140,6 +148,8 @@ class LiveJob(Protocol):
     def start_agent(self, node: int, name: str) -> int: ...  # a new agent for node (joins the running job)
 
     def record(self, event: str, **fields: Any) -> None: ...  # into the job's event log
+
+    def finish(self, reason: str) -> None: ...  # hp finish: every rank ends after the next step they agree on
 
     @property
     def storage(self) -> Any: ...  # the job's storage server (pid, port) or None

@@ -147,7 +147,7 @@ class _Elastic:
             steps = sorted(worlds)
             sizes = [worlds[s] for s in steps]
             full = 2 * cfg.nproc_per_node
-            if stage == "grow-back" and _after(sizes, [full, full - 1, full], cfg.preempt_after):
+            if stage == "grow-back" and went_through(sizes, [full, full - 1, full], cfg.preempt_after):
                 self.marks["preempt"] = time.time()
                 self.jobs[1].proc.send_signal(signal.SIGTERM)  # the agent: what Slurm and Kubernetes signal
                 stage = "preempted"
@@ -157,7 +157,7 @@ class _Elastic:
                 self.jobs.append(_Job(_agent(self.dirs[2], [*self.flags, "--node-rank", "1"] + self.train),
                                       os.path.join(self.root, "node1-again.out"), self.env))
                 stage = "rejoined"
-            elif stage == "rejoined" and _after(sizes, [full, full - 1, full, full - cfg.nproc_per_node, full],
+            elif stage == "rejoined" and went_through(sizes, [full, full - 1, full, full - cfg.nproc_per_node, full],
                                                 cfg.finish_after):
                 self.marks["finish"] = time.time()
                 self.finish("the elastic demo saw its four scale events")
@@ -178,7 +178,7 @@ class _Elastic:
             job.kill()
 
 
-def _after(sizes: list[int], pattern: list[int], extra: int) -> bool:
+def went_through(sizes: list[int], pattern: list[int], extra: int) -> bool:
     """Whether the world sizes by step went through ``pattern`` and ran ``extra`` steps at its last size."""
     runs = [(w, sum(1 for _ in g)) for w, g in itertools.groupby(sizes)]
     return len(runs) >= len(pattern) and [w for w, _ in runs[:len(pattern)]] == pattern and runs[len(pattern) - 1][1] >= extra
