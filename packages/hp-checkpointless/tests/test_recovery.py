@@ -14,7 +14,9 @@ import pytest
 
 from hp.checkpointless.demo.run import DemoConfig, RunResult, compare, compare_state, job_command, run_job
 from hp.checkpointless.events import read_events
-from hp.core.testing import kill_tagged, wait_for
+from hp.core import auth
+from hp.core.control_plane import request_finish
+from hp.core.testing import free_port, kill_tagged, wait_for
 
 STEPS, AT = 10, 5
 
@@ -176,8 +178,9 @@ train.main()
 
 def test_a_replaced_process_of_an_old_generation_is_fenced_out(job_env, tmp_path):
     """A process that still believes it holds rank 1 of generation 1 (as after a partition) tries
-    to rejoin after a spare took rank 1: it must exit, and the job must not notice."""
-    log_dir, steps = tmp_path / "logs", 200
+    to rejoin after a spare took rank 1: it must exit, and the job must not notice. Then the job is asked to
+    end (hp finish): ``steps`` is only the most it may run, long enough for a slow stale process to arrive."""
+    log_dir, steps, port, token = tmp_path / "logs", 2000, free_port(), auth.new_token()
     cfg = config(spares=1, steps=steps)
     kill = [{"at_step": 2, "phase": "allreduce", "kind": "kill", "rank": 1}]
     env_file = tmp_path / "stale-env.json"
@@ -186,8 +189,9 @@ def test_a_replaced_process_of_an_old_generation_is_fenced_out(job_env, tmp_path
                              start_new_session=True)
     # the stale process is given a worker's environment, read from /proc: a worker started cold has it there
     # (a forked one's /proc environ is its fork server's: it sets the worker's in os.environ)
-    job = subprocess.Popen(job_command(cfg, str(log_dir), ["--start-method", "spawn"]),
-                           env={**os.environ, **job_env, "HP_FAULTS": json.dumps(kill)},
+    job = subprocess.Popen(job_command(cfg, str(log_dir), ["--start-method", "spawn", "--rdzv-endpoint",
+                                                           f"127.0.0.1:{port}"]),
+                           env={**os.environ, **job_env, "HP_FAULTS": json.dumps(kill), auth.TOKEN_ENV: token},
                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
         events = lambda: read_events(str(log_dir / "events"))  # noqa: E731
@@ -201,13 +205,15 @@ def test_a_replaced_process_of_an_old_generation_is_fenced_out(job_env, tmp_path
         assert stale.returncode != 0
         assert re.search(r"fenced out: rank 1 of generation \d+ is held by 'spare.n0s0'", err), err[-3000:]
         assert job.poll() is None, "the job ended before the stale process arrived: the test proved nothing"
+        request_finish(f"127.0.0.1:{port}", token, "the stale process was fenced out")
         assert job.wait(timeout=240) == 0
     finally:
         for p in (job, stale):
             if p.poll() is None:
                 p.kill()
     result = RunResult(0, 0.0, read_events(str(log_dir / "events")), "")
-    assert sorted(result.losses()) == list(range(steps))
+    ended = {e["step"] for e in result.events if e["event"] == "finish_agreed"}
+    assert len(ended) == 1 and sorted(result.losses()) == list(range(ended.pop() + 1))  # every step, to the end
     assert all(len(v) == 1 for v in result.losses().values())  # nothing committed twice
 
 

@@ -282,15 +282,13 @@ class Live:
 
     def finish(self, reason: str) -> None:
         """``hp finish``: the controller tells every rank, in the same commit vote, to end after that step."""
-        from hp.core.auth import OPERATOR
-        from hp.core.control_plane import ControlClient
-        from hp.core.protocol import Verb
+        from hp.core.control_plane import request_finish
 
         if self.endpoint is None or self.token is None or self.etcd is not None:
             raise RuntimeError("this run has no controller endpoint and job token to ask to finish")
         if self.topology is not None:
             self.topology.host_address()  # the host's own address on the nodes' bridge: a route to node 0
-        ControlClient(self.endpoint, self.token, node=OPERATOR).call(Verb.FINISH, {"reason": reason})
+        request_finish(self.endpoint, self.token, reason)
 
 
 @dataclass

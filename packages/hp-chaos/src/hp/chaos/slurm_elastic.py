@@ -196,9 +196,8 @@ class _Run:
         """``finish_after`` steps at ``world`` after ``since``, ``hp finish`` (to the controller on the base's
         first node); then wait for the base job to end."""
         if self.cfg.finish_after:
-            from hp.core.auth import OPERATOR
-            from hp.core.control_plane import ControlClient, ControlPlaneError
-            from hp.core.protocol import Verb
+            from hp.core.control_plane import request_finish
+            from hp.core.errors import ControlPlaneError
             from hp.core.slurm_job import head_endpoint
 
             self.wait(f"{self.cfg.finish_after} steps at {world} before finishing",
@@ -208,8 +207,8 @@ class _Run:
                 raise _Failed("the base job is not running: nothing to ask to finish")
             self.mark("finish")
             try:
-                ControlClient(head_endpoint(self.cli, base.nodes, self.spec.port), self.token, node=OPERATOR).call(
-                    Verb.FINISH, {"reason": "the Slurm elastic run saw its scale events"})
+                request_finish(head_endpoint(self.cli, base.nodes, self.spec.port), self.token,
+                               "the Slurm elastic run saw its scale events")
             except ControlPlaneError as e:
                 raise _Failed(f"hp finish was refused: {e}") from None
         while self.base_state() in ("PENDING", "RUNNING", "CONFIGURING", "COMPLETING"):

@@ -325,12 +325,10 @@ def _add_finish(sub: argparse._SubParsersAction) -> None:
 
 
 def _finish(args: argparse.Namespace) -> int:
-    from hp.core.control_plane import ControlClient
-    from hp.core.protocol import Verb
+    from hp.core.control_plane import request_finish
 
     endpoint = parse_endpoint(args.rdzv_endpoint)
-    token = read_token(args, required=True)
-    answer = ControlClient(str(endpoint), token, node=auth.OPERATOR).call(Verb.FINISH, {"reason": args.reason})
+    answer = request_finish(str(endpoint), read_token(args, required=True), args.reason)
     print(json.dumps(answer))
     return 0
 

@@ -388,3 +388,11 @@ class ControlClient:
         if status != 200:
             raise ControlPlaneError(f"controller refused {verb}: {answer.get('error', status)}", status, answer)
         return answer
+
+
+def request_finish(endpoint: str, token: str, reason: str) -> dict:
+    """``hp finish``: ask the controller at ``endpoint`` (signed with the job token's operator key) to end the
+    job after the next step every rank agrees on; its answer."""
+    from hp.core.protocol import Verb
+
+    return ControlClient(endpoint, token, node=auth.OPERATOR).call(Verb.FINISH, {"reason": reason})

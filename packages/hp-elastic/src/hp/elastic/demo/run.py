@@ -167,11 +167,9 @@ class _Elastic:
 
     def finish(self, reason: str) -> None:
         """``hp finish``: the job ends after the next step its ranks agree on."""
-        from hp.core.auth import OPERATOR
-        from hp.core.control_plane import ControlClient
-        from hp.core.protocol import Verb
+        from hp.core.control_plane import request_finish
 
-        ControlClient(self.endpoint, self.env["HP_JOB_TOKEN"], node=OPERATOR).call(Verb.FINISH, {"reason": reason})
+        request_finish(self.endpoint, self.env["HP_JOB_TOKEN"], reason)
 
     def stop(self) -> None:
         for job in self.jobs:
