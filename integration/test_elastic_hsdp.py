@@ -15,13 +15,14 @@ import sys
 
 import pytest
 from hp.checkpointless.demo.run import RunResult, final_states
-from hp.checkpointless.events import read_events
-from hp.core.testing import free_port, kill_tagged, wait_for
+from hp.checkpointless.events import finished_at, read_events
+from hp.core.testing import finish_when, free_port, kill_tagged, wait_for
 from hp.elastic.demo.run import (
     ElasticDemoConfig,
     commits,
     lost_steps,
     one_node_run,
+    went_through,
     world_by_step,
 )
 
@@ -38,13 +39,14 @@ def job(tmp_path, monkeypatch):
     policy.write_text(POLICY)
 
     def run(name: str, ranks: int, faults: list[dict] | None = None, steps: int = STEPS, unit: int = 2,
-            exact: bool = False, agent_flags: tuple[str, ...] = ()) -> RunResult:
+            exact: bool = False, agent_flags: tuple[str, ...] = (),
+            finish: tuple[list[int], int] | None = None) -> RunResult:
         if unit != 2:
             policy.write_text(POLICY.replace("unit: 2", f"unit: {unit}"))
         cfg = ElasticDemoConfig(steps=steps, exact=exact, corpus_mb=2, timeout_s=240,
                                 train_args=["--hsdp-shard", "2", "--dropout", "0"])
         return one_node_run(cfg, str(tmp_path), str(policy), ranks, name, faults, elastic=faults is not None,
-                            agent_flags=agent_flags)
+                            agent_flags=agent_flags, finish=finish)
 
     yield run
     kill_tagged(f"HP_TEST_DIR={tmp_path}")
@@ -101,11 +103,13 @@ def test_a_replica_group_lost_at_the_first_step_leaves_the_job_training_as_one_b
 
 
 def test_a_replica_group_lost_mid_run_shrinks_the_mesh_and_joiners_grow_it_back(job):
-    # long enough for the freed slots' new processes to start and join on a loaded 2-core box
-    run = job("shrink-grow", 4, kill(3), steps=80)
+    # at most 800 steps, ended (hp finish) 5 steps after the joiners grew it back: however long the freed slots'
+    # new processes take to start and join on a loaded 2-core box
+    run = job("shrink-grow", 4, kill(3), steps=800, finish=([4, 2, 4], 5))
     assert run.returncode == 0, run.output[-3000:]
     assert sizes(run.events) == [4, 2, 4], sizes(run.events)
-    assert lost_steps(run.events, 80) == 0
+    ended = finished_at(run.events)
+    assert ended is not None and lost_steps(run.events, ended + 1) == 0
     worlds = world_by_step(run.events)
     assert [worlds[s] for s in range(4)] == [4, 4, 4, 2]  # step 3 replayed at the smaller size
     left = [e for e in run.events if e["event"] == "left"]
@@ -136,7 +140,9 @@ def test_a_node_joining_grows_the_job_by_a_replica_group_whose_shards_come_from_
     replica group 0 that holds it (their environment says nothing of the mesh they join: a spare's mesh is
     the generation's that gives it its rank)."""
     port = free_port()
-    steps, logs = 200, tmp_path / "grow"  # node 1 starts cold (its agent, fork server, imports) while the job trains
+    # node 1 starts cold (its agent, fork server, imports) while the job trains: at most 2000 steps, ended (hp
+    # finish) 5 steps after the job grew
+    steps, logs = 2000, tmp_path / "grow"
     flags = ["--nnodes", "1:2", "--nproc-per-node", "2", "--rdzv-endpoint", f"127.0.0.1:{port}", "--scaling-policy",
              str(tmp_path / "policy.yaml"), "--tee", "0", "--monitor-interval", "0.05"]
     train = ["-m", "hp.elastic.demo.train", "--steps", str(steps), "--policy", str(tmp_path / "policy.yaml"),
@@ -153,6 +159,11 @@ def test_a_node_joining_grows_the_job_by_a_replica_group_whose_shards_come_from_
                 agents.append(subprocess.Popen([sys.executable, "-m", "hp.core.cli", "run", *flags, "--node-rank",
                                                 str(node), "--log-dir", str(logs / f"node{node}"), *train], stdout=out,
                                                stderr=subprocess.STDOUT, env=env, start_new_session=True))
+        def grown() -> bool:  # 5 steps committed at 2 x 2 after 1 x 2
+            worlds = world_by_step(read_events(str(logs / "node0" / "events")) + read_events(str(logs / "node1" / "events")))
+            return went_through([worlds[s] for s in sorted(worlds)], [2, 4], 5)
+
+        finish_when(agents[0], f"127.0.0.1:{port}", env["HP_JOB_TOKEN"], grown, 300, "5 steps at 2 x 2")
         codes = [a.wait(timeout=300) for a in agents]
     finally:
         for a in agents:
@@ -164,7 +175,8 @@ def test_a_node_joining_grows_the_job_by_a_replica_group_whose_shards_come_from_
                     key=lambda e: e["t"])
     result = RunResult(0, 0.0, events, "")
     assert sizes(events) == [2, 4], sizes(events)
-    assert lost_steps(events, steps) == 0
+    ended = finished_at(events)
+    assert ended is not None and lost_steps(events, ended + 1) == 0
     rebuilt = sorted((e["rank"], e["buddy"]) for e in events if e["event"] == "shard_rebuilt")
     assert rebuilt == [(2, 0), (3, 1)], rebuilt
     assert_replicas_equal(result)

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from hp.checkpointless.demo.run import DemoConfig, RunResult, compare, compare_state, job_command, run_job
-from hp.checkpointless.events import read_events
+from hp.checkpointless.events import finished_at, read_events
 from hp.core import auth
 from hp.core.control_plane import request_finish
 from hp.core.testing import free_port, kill_tagged, wait_for
@@ -212,8 +212,8 @@ def test_a_replaced_process_of_an_old_generation_is_fenced_out(job_env, tmp_path
             if p.poll() is None:
                 p.kill()
     result = RunResult(0, 0.0, read_events(str(log_dir / "events")), "")
-    ended = {e["step"] for e in result.events if e["event"] == "finish_agreed"}
-    assert len(ended) == 1 and sorted(result.losses()) == list(range(ended.pop() + 1))  # every step, to the end
+    ended = finished_at(result.events)
+    assert ended is not None and sorted(result.losses()) == list(range(ended + 1))  # every step, to the agreed end
     assert all(len(v) == 1 for v in result.losses().values())  # nothing committed twice
 
 

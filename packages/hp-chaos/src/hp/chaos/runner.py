@@ -48,6 +48,7 @@ from hp.chaos import bench_goodput
 from hp.chaos.faults import fault_kinds
 from hp.chaos.faults.base import FaultSpec
 from hp.chaos.finish import FinishAfter
+from hp.checkpointless.events import finished_at
 from hp.chaos.launch import JobRun, run_job
 from hp.chaos.reproducible import reference_recheck
 from hp.chaos.scenario import JobSpec, Scenario
@@ -172,12 +173,6 @@ def run_scenario(scenario: Scenario, log_dir: str | None = None, cache: Referenc
         result["failures"] = [f"{f}; {why}" if f.startswith("bitwise_equal:") else f for f in result["failures"]]
     result["log_dir"] = root
     return result
-
-
-def finished_at(events: list[dict]) -> int | None:
-    """The step every rank ended after when the job was asked to finish (``finish_agreed``), else None."""
-    ended = {e["step"] for e in events if e["event"] == Event.FINISH_AGREED}
-    return ended.pop() if len(ended) == 1 else None
 
 
 def ran_to(events: list[dict], steps: int) -> int:

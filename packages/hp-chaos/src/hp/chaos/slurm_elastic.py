@@ -274,6 +274,7 @@ def run_slurm_elastic(cfg: SlurmElasticConfig, cache: ReferenceCache | None = No
     comparison and the timings (never raises for a job that fails: ``completed`` is False and ``error``
     says why)."""
     from hp.checkpointless.demo.run import RunResult, compare_state
+    from hp.checkpointless.events import finished_at
     from hp.elastic.demo.run import (POLICY, ElasticDemoConfig, commits, lost_steps, reference_run, scale_events,
                                      train_argv, world_by_step)
 
@@ -312,12 +313,12 @@ def run_slurm_elastic(cfg: SlurmElasticConfig, cache: ReferenceCache | None = No
     sequence = [worlds[s] for i, s in enumerate(steps) if i == 0 or worlds[s] != worlds[steps[i - 1]]]
     got_losses = {s: {e["loss"] for e in es} for s, es in commits(events).items()}
     # the step every rank ended after (hp finish, agreed in a commit vote), or the last one committed
-    ended = {e["step"] for e in events if e["event"] == "finish_agreed"}
-    last = max(ended) if len(ended) == 1 else max(steps, default=-1)
+    ended = finished_at(events)
+    last = ended if ended is not None else max(steps, default=-1)
     result = {
         "completed": error is None and base_state == "COMPLETED" and len(got_losses) == last + 1,
         "config": asdict(cfg), "steps": last + 1, "max_steps": cfg.steps,
-        "finished_at": last if len(ended) == 1 and any(m["kind"] == "finish" for m in run.marks) else None,
+        "finished_at": ended if any(m["kind"] == "finish" for m in run.marks) else None,
         "world_sizes": sequence, "lost_steps": lost_steps(events, last + 1),
         "events": scale_events(events), "marks": run.marks, "base_state": base_state, "units": units,
         **timings(run.commits(), decisions, run.marks, cfg.min_nodes, cfg.max_nodes),

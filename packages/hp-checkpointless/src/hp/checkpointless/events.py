@@ -34,3 +34,10 @@ def read_events(directory: str) -> list[dict]:
         with open(os.path.join(directory, name)) as f:
             events += [json.loads(line) for line in f if line.strip()]
     return sorted(events, key=lambda e: e["t"])
+
+
+def finished_at(events: list[dict]) -> int | None:
+    """The step every rank ended after when the job was asked to finish (``hp finish``: their
+    ``finish_agreed`` events, one step), else None (it ran to its last step, or did not end)."""
+    ended = {e["step"] for e in events if e["event"] == "finish_agreed"}
+    return ended.pop() if len(ended) == 1 else None

@@ -12,7 +12,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -102,6 +102,19 @@ def wait_for(predicate, timeout: float = 60, what: str = "condition") -> None:
             return
         time.sleep(0.05)
     raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+
+
+def finish_when(proc: subprocess.Popen, endpoint: str, token: str, done: Callable[[], bool], timeout: float,
+                what: str) -> None:
+    """A job that ends at a step decided at run time: wait until ``done()`` (what the test needs the job to
+    have gone through), then ``hp finish`` to its controller at ``endpoint``: every rank ends after the same
+    step. The job ending first is an error naming ``what``."""
+    from hp.core.control_plane import request_finish
+
+    wait_for(lambda: proc.poll() is not None or done(), timeout, what)
+    if proc.poll() is not None:
+        raise AssertionError(f"the job ended (exit {proc.returncode}) before {what}")
+    request_finish(endpoint, token, what)
 
 
 def pids(tmp_path: Path, rank: int) -> list[int]:

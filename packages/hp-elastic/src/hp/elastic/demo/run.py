@@ -36,7 +36,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 from hp.checkpointless.demo.run import RunResult, compare_state, sharded_parts
-from hp.checkpointless.events import read_events
+from hp.checkpointless.events import finished_at, read_events
 
 POLICY = "min_replicas: {min}\nmax_replicas: {max}\nglobal_batch: {global_batch}\nmicro_batch: {micro_batch}\n"
 
@@ -230,18 +230,31 @@ def reference_run(cfg: ElasticDemoConfig, root: str, policy: str, ranks: int | N
 
 def one_node_run(cfg: ElasticDemoConfig, root: str, policy: str, ranks: int, name: str = "reference",
                  faults: list[dict] | None = None, elastic: bool = False,
-                 agent_flags: Sequence[str] = ()) -> RunResult:
+                 agent_flags: Sequence[str] = (), finish: tuple[list[int], int] | None = None) -> RunResult:
     """The job started with ``ranks`` ranks on one node, with the injected ``faults``, its logs in
     ``root/name``; ``elastic``: ``hp run --scaling-policy`` (the policy decides where its size goes);
-    ``agent_flags``: more ``hp run`` options."""
+    ``agent_flags``: more ``hp run`` options; ``finish`` (world sizes, steps): the job is asked to end
+    (``hp finish``) once its world sizes by step went through them and ran that many steps at the last
+    (``cfg.steps`` is then the most it may run)."""
     ref_dir = os.path.join(root, name)
     os.makedirs(root, exist_ok=True)
     start = time.monotonic()
-    flags = ["--nproc-per-node", str(ranks), *(["--scaling-policy", policy] if elastic else []), *agent_flags]
-    job = _Job(_agent(ref_dir, flags) + train_argv(cfg, policy),
-               os.path.join(root, f"{name}.out"), _env({"HP_FAULTS": json.dumps(faults)} if faults else None))
+    endpoint = f"127.0.0.1:{_free_port()}"
+    flags = ["--nproc-per-node", str(ranks), *(["--scaling-policy", policy] if elastic else []),
+             *(["--rdzv-endpoint", endpoint] if finish else []), *agent_flags]
+    env = _env({"HP_FAULTS": json.dumps(faults)} if faults else None)
+    job = _Job(_agent(ref_dir, flags) + train_argv(cfg, policy), os.path.join(root, f"{name}.out"), env)
     try:
-        job.proc.wait(timeout=cfg.timeout_s)
+        deadline = time.monotonic() + cfg.timeout_s
+        while finish and job.proc.poll() is None and time.monotonic() < deadline:
+            worlds = world_by_step(read_events(os.path.join(ref_dir, "events")))
+            if went_through([worlds[s] for s in sorted(worlds)], *finish):
+                from hp.core.control_plane import request_finish
+
+                request_finish(endpoint, env["HP_JOB_TOKEN"], f"{finish[1]} steps at the last of {finish[0]}")
+                break
+            time.sleep(0.2)
+        job.proc.wait(timeout=max(1.0, deadline - time.monotonic()))
     finally:
         job.kill()
     return RunResult(job.proc.returncode, time.monotonic() - start, read_events(os.path.join(ref_dir, "events")), job.tail())
@@ -264,8 +277,8 @@ def run_elastic_demo(cfg: ElasticDemoConfig) -> dict:
     elastic = RunResult(max(abs(j.proc.returncode or 0) for j in run.jobs), time.monotonic() - start, events,
                         "".join(j.tail() for j in run.jobs))
     # the step every rank ended after (hp finish, agreed in a commit vote), or the last one
-    ended = {e["step"] for e in events if e["event"] == "finish_agreed"}
-    last = max(ended) if len(ended) == 1 else max((e["step"] for e in events if e["event"] == "commit"), default=-1)
+    ended = finished_at(events)
+    last = ended if ended is not None else max((e["step"] for e in events if e["event"] == "commit"), default=-1)
     steps = last + 1
     reference = (reference_run(replace(cfg, steps=steps), root, policy) if cfg.reference
                  else RunResult(0, 0.0, [], ""))
@@ -284,7 +297,7 @@ def run_elastic_demo(cfg: ElasticDemoConfig) -> dict:
     result = {
         "completed": completed, "exact": cfg.exact, "steps": steps, "max_steps": cfg.steps,
         # every rank ended after the same step, agreed in a commit vote (hp finish); False: it ran to max_steps
-        "finished_at": last if len(ended) == 1 and "finish" in run.marks else None,
+        "finished_at": ended if "finish" in run.marks else None,
         "bitwise_equal": loss_equal and state["state_equal"], "losses_equal": loss_equal,
         **state, "lost_steps": lost_steps(events, steps), "world_sizes": sequence,
         "pause_s": [c["pause_s"] for c in changes], "events": changes,
