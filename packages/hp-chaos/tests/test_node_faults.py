@@ -38,7 +38,7 @@ def job_env(tmp_path_factory):
 @pytest.fixture(scope="module")
 def reference(chaos_reference_cache, chaos_env, tmp_path_factory) -> RunResult:
     """The fault-free run of this job (2 nodes x 1 rank, each in its namespace): the session's, shared with the
-    2-node chaos scenarios of the same job and with the other xdist worker (hp.chaos.runner.ReferenceCache)."""
+    2-node chaos scenarios of the same job and with the other xdist worker (hp.chaos.references.ReferenceCache)."""
     cfg = config()
     job = JobSpec(nodes=2, nproc_per_node=cfg.nproc, steps=cfg.steps, model=cfg.model_size, seed=cfg.seed,
                   corpus_mb=cfg.corpus_mb)

@@ -205,7 +205,7 @@ def test_a_bit_mismatch_says_whether_the_fault_free_run_reproduces():
 
 
 def test_the_runner_rechecks_the_reference_only_on_a_bit_mismatch(tmp_path, monkeypatch):
-    from hp.chaos import runner
+    from hp.chaos import references, runner
 
     refs: list[str] = []
 
@@ -213,7 +213,8 @@ def test_the_runner_rechecks_the_reference_only_on_a_bit_mismatch(tmp_path, monk
         refs.append(log_dir)
         return reference() if len(refs) == 1 else RunResult(0, 10.0, faulted(changed_step=6).result.events, "")
 
-    monkeypatch.setattr(runner, "_reference", fake_reference)
+    monkeypatch.setattr(references, "fault_free_run", fake_reference)  # the cache's first run
+    monkeypatch.setattr(runner, "fault_free_run", fake_reference)  # the runner's second look
     for changed, calls in ((None, 1), (5, 2)):
         refs.clear()
         monkeypatch.setattr(runner, "run_job", lambda *a, changed=changed, **kw: faulted(changed_step=changed))

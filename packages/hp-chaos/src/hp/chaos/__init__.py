@@ -30,7 +30,7 @@ _EXPORTS = {
     "Scenario": "hp.chaos.scenario",
     "load_scenario": "hp.chaos.scenario",
     "parse_scenario": "hp.chaos.scenario",
-    "ReferenceCache": "hp.chaos.runner",
+    "ReferenceCache": "hp.chaos.references",
     "run_scenario": "hp.chaos.runner",
     "Topology": "hp.chaos.topology",
     "TopologyError": "hp.chaos.topology",

@@ -42,8 +42,8 @@ def _session_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def chaos_reference_cache(tmp_path_factory: pytest.TempPathFactory):
-    """Fault-free runs of the session, by job (:class:`hp.chaos.runner.ReferenceCache`)."""
-    from hp.chaos.runner import ReferenceCache
+    """Fault-free runs of the session, by job (:class:`hp.chaos.references.ReferenceCache`)."""
+    from hp.chaos.references import ReferenceCache
 
     return ReferenceCache(str(_session_root(tmp_path_factory) / "hp-chaos-references"))
 

@@ -1,7 +1,7 @@
 """When a faulted run's bits are not the reference's: is the fault-free run itself reproducible?
 
 A scenario's fault-free reference is run once per job and shared by every scenario of that job (the
-session's :class:`hp.chaos.runner.ReferenceCache`). If the job's numbers depend on more than its seed
+session's :class:`hp.chaos.references.ReferenceCache`). If the job's numbers depend on more than its seed
 (intra-op threads on a busy CPU: hp-checkpointless's README), one reference that came out other bits
 fails every scenario of its job at once, each saying its recovery broke the bits. So when a scenario
 that expects bit-identity gets other bits, the runner runs the fault-free job once more and says

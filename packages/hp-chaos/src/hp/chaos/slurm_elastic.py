@@ -51,7 +51,7 @@ from hp.core.slurm_job import SlurmJobSpec, submit
 from hp.core.testing import free_port
 
 if TYPE_CHECKING:
-    from hp.chaos.runner import ReferenceCache
+    from hp.chaos.references import ReferenceCache
 
 POLL_S = 0.2
 QOS = "hpquota"
@@ -326,7 +326,7 @@ def run_slurm_elastic(cfg: SlurmElasticConfig, cache: ReferenceCache | None = No
         "base_capacity_log": _lines(glob.glob(os.path.join(run.spec.job_dir, f"{run.spec.job_name()}-*.out")), "capacity:"),
     }
     if cfg.reference and last >= 0:  # to the step the job ended after; keyed by what decides its bits
-        from hp.chaos.runner import ReferenceCache
+        from hp.chaos.references import ReferenceCache
 
         ref_demo = replace(demo, steps=last + 1)
         with open(policy) as f:
