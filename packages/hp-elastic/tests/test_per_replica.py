@@ -17,14 +17,18 @@ from pathlib import Path
 
 import pytest
 
-from hp.checkpointless.events import read_events
+from hp.checkpointless.events import finished_at, read_events
 from hp.checkpointless.sampler import StepSampler
-from hp.core.testing import kill_tagged
+from hp.core import auth
+from hp.core.testing import finish_when, free_port, kill_tagged
 from hp.elastic import ScalingPolicy
+from hp.elastic.demo.run import went_through, world_by_step
 
 WORKER = Path(__file__).with_name("per_replica_worker.py")
 POLICY = "min_replicas: 2\nmax_replicas: 4\nmicro_batch: 2\nreplica_batch: 4\nlr: 0.1\nlr_rule: linear\nbase_world: 4\n"
-STEPS, SAMPLES = 100, 200  # 10 s of steps at least: the regrown process is ready well before
+# at most 1000 steps: the job is asked to end (hp finish) 5 steps after it grew back to 4, however long the
+# regrown process takes to be ready on a loaded machine
+STEPS, SAMPLES = 1000, 200
 
 
 @pytest.mark.timeout(300)
@@ -32,23 +36,38 @@ def test_a_per_replica_batch_skips_and_repeats_nothing_through_4_3_4_and_the_lr_
     (tmp_path / "policy.yaml").write_text(POLICY)
     logs = tmp_path / "logs"
     faults = json.dumps([{"kind": "kill", "at_step": 3, "rank": 2, "phase": "forward"}])
-    env = {**os.environ, "HP_FAULTS": faults, "OMP_NUM_THREADS": "1", "HP_TEST_DIR": str(tmp_path)}
+    port, token = free_port(), auth.new_token()
+    env = {**os.environ, "HP_FAULTS": faults, "OMP_NUM_THREADS": "1", "HP_TEST_DIR": str(tmp_path),
+           auth.TOKEN_ENV: token}
     cmd = [sys.executable, "-m", "hp.core.cli", "run", "--nnodes", "1:1", "--nproc-per-node", "4",
-           "--scaling-policy", str(tmp_path / "policy.yaml"), "--log-dir", str(logs), "--tee", "0",
-           str(WORKER), "--steps", str(STEPS), "--samples", str(SAMPLES)]
+           "--scaling-policy", str(tmp_path / "policy.yaml"), "--rdzv-endpoint", f"127.0.0.1:{port}",
+           "--log-dir", str(logs), "--tee", "0", str(WORKER), "--steps", str(STEPS), "--samples", str(SAMPLES)]
+
+    def regrown() -> bool:  # 5 steps at 4 after 4 -> 3 -> 4
+        worlds = world_by_step(read_events(str(logs / "events")))
+        return went_through([worlds[s] for s in sorted(worlds)], [4, 3, 4], 5)
+
+    with open(tmp_path / "job.out", "w") as out:  # the agent keeps its own descriptor
+        job = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     try:
-        out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=280)
+        finish_when(job, f"127.0.0.1:{port}", token, regrown, 240, "5 steps at 4 after 4 -> 3 -> 4")
+        job.wait(timeout=240)
     finally:
         kill_tagged(f"HP_TEST_DIR={tmp_path}")
-    assert out.returncode == 0, out.stderr[-4000:]
+        if job.poll() is None:
+            job.kill()
+    assert job.returncode == 0, (tmp_path / "job.out").read_text()[-4000:]
+    ended = finished_at(read_events(str(logs / "events")))
+    assert ended is not None and ended < STEPS - 1
+    steps = ended + 1  # every step to the one every rank ended after
     records = [e for e in read_events(str(logs / "events")) if e["event"] == "test_samples"]
     by_step: dict[int, dict[int, dict]] = {}
     for e in records:
         assert e["rank"] not in by_step.setdefault(e["step"], {}), f"step {e['step']} committed twice by rank {e['rank']}"
         by_step[e["step"]][e["rank"]] = e
-    assert sorted(by_step) == list(range(STEPS))
+    assert sorted(by_step) == list(range(steps))
 
-    worlds = [by_step[s][0]["world"] for s in range(STEPS)]
+    worlds = [by_step[s][0]["world"] for s in range(steps)]
     changes = [w for i, w in enumerate(worlds) if i == 0 or w != worlds[i - 1]]
     assert changes == [4, 3, 4], worlds
     assert worlds[:3] == [4, 4, 4] and worlds[3] == 3  # the failed step 3 was replayed at 3 ranks
@@ -56,7 +75,7 @@ def test_a_per_replica_batch_skips_and_repeats_nothing_through_4_3_4_and_the_lr_
     policy = ScalingPolicy.from_yaml(tmp_path / "policy.yaml")
     stream = StepSampler(SAMPLES, 1, 1, seed=5)  # the sample stream: position g holds stream.indices(g, 0)
     position = 0
-    for s in range(STEPS):
+    for s in range(steps):
         ranks = by_step[s]
         world = worlds[s]
         assert sorted(ranks) == list(range(world)), (s, sorted(ranks))

@@ -267,8 +267,8 @@ class GenerationMesh:
         layout = self.layout.resized(world_size)
         if layout is None:  # the shards live on a mesh of that shape: no peer holds others
             raise ShardLost(f"generation of {world_size} ranks for a device mesh of {self.layout.sizes}: only an "
-                            f"HSDP mesh changes its world size, by whole replica groups of {self.layout.sizes[-1]} (a "
-                            f"scaling policy's unit must be a multiple of {self.layout.sizes[-1]})")
+                            f"HSDP mesh changes its world size, by whole replica groups of {self.layout.sizes[-1]} (the "
+                            f"scaling policy's unit must be a multiple of the shard group size {self.layout.sizes[-1]})")
         coords = layout.coords(rank)
         if coords[-1] != self.shard_coordinate:
             raise ShardLost(f"rank {rank} of {world_size} is shard {coords[-1]} of a mesh of {layout.sizes}; this "
