@@ -77,14 +77,11 @@ def run(cfg: ExactBenchConfig) -> dict[str, Any]:
     """Run the ranks, return the result (module docstring); raises RuntimeError when a rank fails."""
     cfg.check()
     bench = BenchRun("exact", DEFINITION_VERSION)
-    from hp.core.testing import free_port
-
     cores = sorted(os.sched_getaffinity(0))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", PIN_ENV: "1"}
     with tempfile.TemporaryDirectory(prefix="hp-bench-exact-") as tmp:
-        port, out = free_port(), Path(tmp)
-        procs = [subprocess.Popen([sys.executable, "-m", "hp.elastic.bench_exact", "--worker", str(rank), str(port),
-                                   str(out), json.dumps(asdict(cfg))], env=env, stdout=subprocess.PIPE,
+        out = Path(tmp)
+        procs = [subprocess.Popen([sys.executable, "-m", "hp.elastic.bench_exact", "--worker", str(rank), str(out), json.dumps(asdict(cfg))], env=env, stdout=subprocess.PIPE,
                                   stderr=subprocess.STDOUT, text=True, start_new_session=True)
                  for rank in range(cfg.nproc)]
         try:
@@ -118,8 +115,10 @@ def run(cfg: ExactBenchConfig) -> dict[str, Any]:
     return bench.stamp(result)
 
 
-def _worker(rank: int, port: int, out: Path, cfg: ExactBenchConfig) -> None:
-    """One rank: pin, train both modes interleaved, write the slowest rank's timings (rank 0)."""
+def _worker(rank: int, out: Path, cfg: ExactBenchConfig) -> None:
+    """One rank: pin, train both modes interleaved, write the slowest rank's timings (rank 0). The ranks meet
+    through a file store in ``out``: no port chosen ahead (another process can take a free port before rank 0
+    binds it, which the test suite's parallel jobs make likely)."""
     pin_to_core(rank)
     import torch
     import torch.distributed as dist
@@ -130,7 +129,7 @@ def _worker(rank: int, port: int, out: Path, cfg: ExactBenchConfig) -> None:
     from hp.elastic.ownership import micro_batch_seed, owned
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=cfg.nproc)
+    dist.init_process_group("gloo", init_method=f"file://{out / 'store'}", rank=rank, world_size=cfg.nproc)
     torch.manual_seed(cfg.seed)
     model = build_model(cfg.model_size, vocab=cfg.vocab, seq=cfg.seq, dropout=0.1)
     params = [p for p in model.parameters() if p.requires_grad]
@@ -227,8 +226,8 @@ def run_cli(args: argparse.Namespace) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     def worker(args: list[str]) -> None:
-        rank, port, out, cfg = args[:4]
-        _worker(int(rank), int(port), Path(out), ExactBenchConfig(**json.loads(cfg)))
+        rank, out, cfg = args[:3]
+        _worker(int(rank), Path(out), ExactBenchConfig(**json.loads(cfg)))
 
     return module_main(argv, "python -m hp.elastic.bench_exact", __doc__, add_arguments, run_cli, worker)
 
