@@ -359,3 +359,23 @@ def test_with_the_channel_the_arrival_barrier_blocks_and_wakes_at_once(store, ch
     late = JobView(_worker_store(store), TOKEN, channel=mirror)
     with pytest.raises(JobFinished):
         arrive(late, 4, 2, slice_s=0.2)
+
+
+def test_a_worker_whose_agent_died_is_orphaned_before_its_fork_server_dies():
+    """A forked worker's parent is the node's fork server, which dies only after the agent: the watch also
+    looks at the agent itself (HP_AGENT_PID), dead or a zombie not yet reaped. Before, a failure that came
+    first (the store lived in the agent) could find the worker not orphaned yet, and it left without saying
+    why (the controller-killed scenario's missing line)."""
+    agent = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    try:
+        watch = Watch(lambda: None, None, lambda plan: None, token=TOKEN, agent_pid=agent.pid)
+        assert not watch.orphaned()  # our parent (pytest) and the "agent" both alive
+        agent.kill()
+        wait_for(lambda: open(f"/proc/{agent.pid}/stat").read().rsplit(")", 1)[1].split()[0] == "Z", 10, "a zombie")
+        assert watch.orphaned()  # dead, not yet reaped
+        agent.wait()
+        assert watch.orphaned()  # gone
+        assert not Watch(lambda: None, None, lambda plan: None, token=TOKEN).orphaned()  # no agent pid: the parent only
+    finally:
+        agent.kill()
+        agent.wait()

@@ -251,6 +251,15 @@ def _left_behind(view: JobView, generation: int) -> None:
         raise JobFinished(f"the job finished at step {finished} before generation {generation} formed")
 
 
+def _gone(pid: int) -> bool:
+    """Whether process ``pid`` has exited (no such process, or a zombie its parent has not reaped yet)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return True
+
+
 class Watch:
     """Background threads: one beats the heartbeat file and ends a process whose agent died (its
     workers would otherwise train on, or a spare wait, unsupervised); one hands each newly published
@@ -260,13 +269,14 @@ class Watch:
     def __init__(self, connect: Callable[[], dist.Store], heartbeat_file: str | None,
                  on_superseded: Callable[[Plan], None], period_s: float = 0.01, beat_every_s: float = 0.1,
                  on_orphaned: Callable[[], None] | None = None, *, token: str,
-                 refusals: Refusals | None = None, channel: Mirror | None = None) -> None:
+                 refusals: Refusals | None = None, channel: Mirror | None = None, agent_pid: int | None = None) -> None:
         if not token:
             raise ValueError("watching the job's store needs the job token (HP_JOB_TOKEN)")
         self._connect, self._heartbeat_file, self._channel = connect, heartbeat_file, channel
         self._token, self._refusals = token, refusals if refusals is not None else Refusals()
         self._on_superseded, self._on_orphaned = on_superseded, on_orphaned
-        self._parent = os.getppid()  # the agent: a worker whose agent died is re-parented
+        self._parent = os.getppid()  # the agent or its fork server: a worker whose agent died is re-parented
+        self._agent = agent_pid  # the agent itself (HP_AGENT_PID): a forked worker's parent is the fork server
         self._period, self._beat_every = period_s, beat_every_s
         self._stop = threading.Event()
         self._threads = [threading.Thread(target=self._beat_loop, name="hp-heartbeat", daemon=True),
@@ -281,8 +291,11 @@ class Watch:
         return self
 
     def orphaned(self) -> bool:
-        """Whether the agent that started this process died (it was re-parented)."""
-        return os.getppid() != self._parent
+        """Whether the agent that started this process died: it was re-parented, or (a forked worker, whose
+        parent is the node's fork server, killed only once the kernel has seen the agent die) the agent's
+        process is gone. Asked by the main thread when a failure comes first (the store lived in the
+        agent), the second answer does not depend on how soon the fork server dies."""
+        return os.getppid() != self._parent or (self._agent is not None and _gone(self._agent))
 
     def beat(self) -> None:
         if self._heartbeat_file:

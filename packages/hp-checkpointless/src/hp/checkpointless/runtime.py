@@ -44,7 +44,7 @@ from hp.core.errors import UsageError
 from hp.core.fanout import Mirror
 from hp.core.health import EXIT_UNHEALTHY, first_failure
 from hp.core.plugins import backends, get_backend
-from hp.core.protocol import FINISHED_KEY, Event, Plan
+from hp.core.protocol import AGENT_PID_ENV, FINISHED_KEY, Event, Plan
 from hp.core.signed_values import Refusals, sealing
 
 __all__ = ["CollectiveError", "Context", "JobEnded", "Step", "recoverable"]
@@ -144,7 +144,9 @@ class Context:
             signal.signal(INTERRUPT_SIGNAL, self._interrupt)
         self._watch = membership.Watch(lambda: membership.connect_store(*store_addr), env.get("HP_HEARTBEAT_FILE"),
                                        self._on_generation, on_orphaned=self._orphaned, token=token,
-                                       refusals=refusals, channel=self._channel).start()
+                                       refusals=refusals, channel=self._channel,
+                                       agent_pid=int(env[AGENT_PID_ENV]) if env.get(AGENT_PID_ENV, "").isdigit()
+                                       else None).start()
 
     # ---- identity and registered objects ----------------------------------------------------
     @property
