@@ -6,6 +6,7 @@ from __future__ import annotations
 import ast
 import builtins
 import fnmatch
+import json
 import os
 import re
 import shutil
@@ -307,24 +308,48 @@ def _requirements(wheel: Path) -> list[str]:
     return [r for r in re.findall(r"^Requires-Dist: (.+)$", meta, re.M) if "extra ==" not in r]
 
 
-def _commands(hp: Path, *prefix: str, cwd: Path | None = None) -> list[tuple[str, ...]]:
-    """Every command and sub-command of this install's ``hp``, each of which printed its help (exit 0) on
-    the way: argparse lists a sub-parser's choices under its metavar (``COMMAND ...`` in the usage), one
-    per line, indented by 4."""
-    text = _run([str(hp), *prefix, "--help"], timeout=120, cwd=cwd).stdout
-    usage = text.split("\n\n")[0]
-    metavar = re.search(r"([A-Z][A-Z_]*) \.\.\.\s*$", usage)
+# Every command and sub-command's --help, in one process of the install's interpreter (a process per command
+# paid the install's imports ~40 times for hp-chaos): argparse lists a sub-parser's choices under its metavar
+# (``COMMAND ...`` in the usage), one per line, indented by 4; each --help must exit 0.
+_WALK = r"""
+import contextlib, io, json, re, sys
+from hp.core.cli import main
+
+def help_of(path):
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        try:
+            code = main([*path, "--help"])
+        except SystemExit as e:
+            code = e.code
+    if code not in (0, None):
+        sys.exit(f"hp {' '.join(path)} --help exited {code}")
+    return out.getvalue()
+
+def commands(*prefix):
+    text = help_of(prefix)
+    metavar = re.search(r"([A-Z][A-Z_]*) \.\.\.\s*$", text.split("\n\n")[0])
     if not metavar:
         return []
     lines = text.splitlines()
-    start = lines.index(f"  {metavar.group(1)}") + 1
     subs = []
-    for line in lines[start:]:
+    for line in lines[lines.index(f"  {metavar.group(1)}") + 1:]:
         if not line.strip():
             break
         if m := re.match(r"^    ([a-z][a-z0-9_-]*)(\s|$)", line):
             subs.append(m.group(1))
-    return [(*prefix, sub) for sub in subs] + [c for sub in subs for c in _commands(hp, *prefix, sub, cwd=cwd)]
+    return [[*prefix, sub] for sub in subs] + [c for sub in subs for c in commands(*prefix, sub)]
+
+print(json.dumps(commands()))
+"""
+
+
+def _commands(hp: Path, cwd: Path) -> list[tuple[str, ...]]:
+    """Every command and sub-command of this install's ``hp``, each of which printed its help (exit 0) on
+    the way: ``hp --help`` through the installed entry point, the rest from the install's interpreter."""
+    assert "COMMAND" in _run([str(hp), "--help"], timeout=120, cwd=cwd).stdout
+    out = _run([str(hp.parent / "python"), "-c", _WALK], timeout=300, cwd=cwd).stdout
+    return [tuple(c) for c in json.loads(out.strip().splitlines()[-1])]
 
 
 @pytest.mark.slow
