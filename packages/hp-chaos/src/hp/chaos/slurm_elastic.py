@@ -148,7 +148,8 @@ class _Run:
     def preempt(self, cycle: int) -> str:
         """A high-priority job of the unit nodes' size that runs ``high_s`` and records its end."""
         end = os.path.join(self.root, f"high{cycle}.end")
-        script = f"#!/bin/bash\nsleep {self.cfg.high_s:g}\ndate +%s.%N > {end}\n"
+        # written whole, then renamed: the run reads the file once it exists (it once read it empty)
+        script = f"#!/bin/bash\nsleep {self.cfg.high_s:g}\ndate +%s.%N > {end}.tmp && mv {end}.tmp {end}\n"
         return self.cli.sbatch(script, "-p", "high", "-N", str(self.cfg.max_nodes - self.cfg.min_nodes), "-J",
                                f"high{cycle}", f"--output={self.root}/high{cycle}-%j.out")
 
@@ -235,9 +236,12 @@ class _Run:
             t = self.mark("preemptor_submitted", cycle=cycle)  # before: Slurm may signal before sbatch returns
             self.preempt(cycle)
             self.wait(f"preemption {cycle} ({high} -> {low})", lambda cs, t=t: any(w == low for tt, _, w in cs if tt > t))
+            shrunk = next(tt for tt, _, w in self.commits() if tt > t and w == low)
             end = os.path.join(self.root, f"high{cycle}.end")
-            self.wait(f"capacity back after preemption {cycle}", lambda cs, end=end, t=t: os.path.exists(end)
-                      and any(w == high for tt, _, w in cs if tt > t))
+            # a commit at the full size after the shrink (those between the preemptor's submission and the
+            # shrink do not count)
+            self.wait(f"capacity back after preemption {cycle}", lambda cs, end=end, shrunk=shrunk: os.path.exists(end)
+                      and any(w == high for tt, _, w in cs if tt > shrunk))
             with open(end) as f:
                 self.marks.append({"kind": "capacity", "t": float(f.read()), "how": f"high job {cycle} ended"})
             self.wait(f"{cfg.hold_steps} steps at {high} after preemption {cycle}", self.held(high, self.marks[-1]["t"]))
