@@ -23,7 +23,7 @@ from hp.elastic.demo.run import (
     commits,
     lost_steps,
     one_node_run,
-    went_through,
+    events_went_through,
     world_by_step,
 )
 
@@ -167,8 +167,8 @@ def test_a_node_joining_grows_the_job_by_a_replica_group_whose_shards_come_from_
                                                 str(node), "--log-dir", str(logs / f"node{node}"), *train], stdout=out,
                                                stderr=subprocess.STDOUT, env=env, start_new_session=True))
         def grown() -> bool:  # 5 steps committed at 2 x 2 after 1 x 2
-            worlds = world_by_step(read_events(str(logs / "node0" / "events")) + read_events(str(logs / "node1" / "events")))
-            return went_through([worlds[s] for s in sorted(worlds)], [2, 4], 5)
+            return events_went_through(read_events(str(logs / "node0" / "events"))
+                                       + read_events(str(logs / "node1" / "events")), [2, 4], 5)
 
         finish_when(agents[0], f"127.0.0.1:{port}", env["HP_JOB_TOKEN"], grown, 300, "5 steps at 2 x 2")
         codes = [a.wait(timeout=300) for a in agents]

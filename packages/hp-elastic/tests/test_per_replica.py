@@ -22,7 +22,7 @@ from hp.checkpointless.sampler import StepSampler
 from hp.core import auth
 from hp.core.testing import finish_when, free_port, kill_tagged
 from hp.elastic import ScalingPolicy
-from hp.elastic.demo.run import went_through, world_by_step
+from hp.elastic.demo.run import events_went_through
 
 WORKER = Path(__file__).with_name("per_replica_worker.py")
 POLICY = "min_replicas: 2\nmax_replicas: 4\nmicro_batch: 2\nreplica_batch: 4\nlr: 0.1\nlr_rule: linear\nbase_world: 4\n"
@@ -44,8 +44,7 @@ def test_a_per_replica_batch_skips_and_repeats_nothing_through_4_3_4_and_the_lr_
            "--log-dir", str(logs), "--tee", "0", str(WORKER), "--steps", str(STEPS), "--samples", str(SAMPLES)]
 
     def regrown() -> bool:  # 5 steps at 4 after 4 -> 3 -> 4
-        worlds = world_by_step(read_events(str(logs / "events")))
-        return went_through([worlds[s] for s in sorted(worlds)], [4, 3, 4], 5)
+        return events_went_through(read_events(str(logs / "events")), [4, 3, 4], 5)
 
     with open(tmp_path / "job.out", "w") as out:  # the agent keeps its own descriptor
         job = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)

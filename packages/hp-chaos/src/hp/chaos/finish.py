@@ -32,17 +32,10 @@ class FinishAfter(Action):
         injected = [e for e in events if e["event"] == Event.FAULT_INJECTED]
         if not all(any(f.injected_by(e) for e in injected) for f in self.faults):
             return False
-        return settled(events, self.world_sizes, self.after)
+        from hp.elastic.demo.run import events_went_through
+
+        return events_went_through(events, self.world_sizes, self.after)
 
     def fire(self, job: LiveJob) -> Callable[[], None] | None:
         job.finish(f"the run went through world sizes {self.world_sizes} and {self.after} steps at the last")
         return None
-
-
-def settled(events: list[dict], world_sizes: list[int], after: int) -> bool:
-    """Whether the world sizes of the committed steps went through ``world_sizes`` and ran ``after``
-    steps at the last of them."""
-    from hp.elastic.demo.run import went_through, world_by_step
-
-    worlds = world_by_step(events)
-    return went_through([worlds[s] for s in sorted(worlds)], world_sizes, after)

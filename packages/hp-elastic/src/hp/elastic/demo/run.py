@@ -182,6 +182,12 @@ def went_through(sizes: list[int], pattern: list[int], extra: int) -> bool:
     return len(runs) >= len(pattern) and [w for w, _ in runs[:len(pattern)]] == pattern and runs[len(pattern) - 1][1] >= extra
 
 
+def events_went_through(events: list[dict], pattern: list[int], extra: int) -> bool:
+    """:func:`went_through` for the world sizes of the steps committed in ``events``."""
+    worlds = world_by_step(events)
+    return went_through([worlds[s] for s in sorted(worlds)], pattern, extra)
+
+
 def scale_events(events: list[dict]) -> list[dict]:
     """One entry per change of world size: the steps around it, the pause, and its phases."""
     by_step = commits(events)
@@ -239,16 +245,15 @@ def one_node_run(cfg: ElasticDemoConfig, root: str, policy: str, ranks: int, nam
     ref_dir = os.path.join(root, name)
     os.makedirs(root, exist_ok=True)
     start = time.monotonic()
-    endpoint = f"127.0.0.1:{_free_port()}"
+    endpoint = f"127.0.0.1:{_free_port()}" if finish else None
     flags = ["--nproc-per-node", str(ranks), *(["--scaling-policy", policy] if elastic else []),
-             *(["--rdzv-endpoint", endpoint] if finish else []), *agent_flags]
+             *(["--rdzv-endpoint", endpoint] if endpoint else []), *agent_flags]
     env = _env({"HP_FAULTS": json.dumps(faults)} if faults else None)
     job = _Job(_agent(ref_dir, flags) + train_argv(cfg, policy), os.path.join(root, f"{name}.out"), env)
     try:
         deadline = time.monotonic() + cfg.timeout_s
         while finish and job.proc.poll() is None and time.monotonic() < deadline:
-            worlds = world_by_step(read_events(os.path.join(ref_dir, "events")))
-            if went_through([worlds[s] for s in sorted(worlds)], *finish):
+            if events_went_through(read_events(os.path.join(ref_dir, "events")), *finish):
                 from hp.core.control_plane import request_finish
 
                 request_finish(endpoint, env["HP_JOB_TOKEN"], f"{finish[1]} steps at the last of {finish[0]}")
