@@ -158,8 +158,12 @@ class ShardedModel:
         gradients autograd had already accumulated on *unsharded* parameters whose group's post-backward
         had not run (the root's until the end of backward): the replay would add its own to them (seen:
         every rank off the reference from the replayed step's update on). They are dropped here, through
-        FSDP's internals: no public API reaches them."""
-        self.model.reset_iter_state()
+        FSDP's internals: no public API reaches them. A model that never ran a forward in this process (a
+        replacement whose first step failed, e.g. when another rank died during its hydration) has nothing
+        in flight, and torch's reset would fail on its communication state, not created until that forward
+        (seen: AttributeError 'FSDPCommContext' object has no attribute 'all_gather_state')."""
+        if self.model._get_fsdp_state()._is_root is not None:  # set by FSDP's lazy init at the first forward
+            self.model.reset_iter_state()
         for module in self.model.modules():
             get_state = getattr(module, "_get_fsdp_state", None)
             for group in getattr(get_state(), "_fsdp_param_groups", ()) if get_state is not None else ():
