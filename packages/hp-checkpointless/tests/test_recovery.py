@@ -200,7 +200,8 @@ def test_a_replaced_process_of_an_old_generation_is_fenced_out(job_env, tmp_path
         claim = dict(x.split("=", 1) for x in Path(f"/proc/{rank2}/environ").read_text().split("\0") if "=" in x)
         claim.update({"RANK": "1", "LOCAL_RANK": "1", "HP_HOLDER": "r1.0", "HP_GENERATION": "1", "HP_FAULTS": "",
                       "HP_HEARTBEAT_FILE": "", "HP_LOG_DIR": str(tmp_path / "stale")})
-        env_file.write_text(json.dumps(claim))
+        env_file.with_suffix(".tmp").write_text(json.dumps(claim))
+        env_file.with_suffix(".tmp").rename(env_file)  # whole: the stale process reads it once it exists
         _, err = stale.communicate(timeout=120)
         assert stale.returncode != 0
         assert re.search(r"fenced out: rank 1 of generation \d+ is held by 'spare.n0s0'", err), err[-3000:]
