@@ -16,6 +16,7 @@ from torch.distributed.elastic.multiprocessing import Std
 from hp.core import fork_context, forkserver
 from hp.core.testing import wait_for
 from hp.core.workers import python_command
+from hp.core.warm_start import resolve
 
 SCRIPT = """
 import json, os, sys, time
@@ -123,7 +124,7 @@ def test_workers_of_either_start_method_share_the_agent_s_console_and_run_atexit
                  "--log-dir", str(tmp_path / "logs"), str(script))
     wait_for(lambda: all((tmp_path / f"started{r}").exists() for r in range(2)), what="2 workers to start")
     if start_method == "forkserver":
-        server = _forkserver_of(job.proc.pid)
+        server = _forkserver_of(resolve(job.proc.pid))  # the agent, forked warm or not
         os.kill(server, signal.SIGTERM)
         time.sleep(1)
         assert Path(f"/proc/{server}").exists(), "the fork server died of a SIGTERM from outside its agent"
@@ -142,7 +143,7 @@ def test_nothing_the_agent_started_outlives_it_a_plain_script_stuck_at_exit_incl
     script.write_text(JOB_SCRIPT.replace('"finish"', '"never"'))
     job = launch("run", "--nproc-per-node", "2", "--tee", "0", "--log-dir", str(tmp_path / "logs"), str(script))
     wait_for(lambda: all((tmp_path / f"started{r}").exists() for r in range(2)), what="2 workers to start")
-    server = _forkserver_of(job.proc.pid)
+    server = _forkserver_of(resolve(job.proc.pid))  # the agent, forked warm or not
     tag = f"HP_TEST_DIR={tmp_path}"
     from hp.core.testing import tagged_pids
 

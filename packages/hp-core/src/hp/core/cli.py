@@ -65,6 +65,12 @@ def main(argv: list[str] | None = None) -> int:
     # those jobs training, unsupervised, for good (seen: a killed `hp bench goodput` left its 2-rank job
     # holding a core for 90 min). A command that handles SIGTERM itself (`hp run`, `hp controller`) still
     # installs its own handler. Only as a program (``argv`` None): an in-process caller keeps its signals.
+    if argv is None:  # a program: `hp run` may be forked, warm, by a warm-start server (hp.core.warm_start)
+        from hp.core import warm_start
+
+        code = warm_start.delegate(sys.argv[1:])
+        if code is not None:
+            return code
     if argv is None and threading.current_thread() is threading.main_thread() and \
             signal.getsignal(signal.SIGTERM) is signal.SIG_DFL:
         signal.signal(signal.SIGTERM, _terminated)

@@ -108,6 +108,8 @@ SCALING_POLICY_ENV = "HP_SCALING_POLICY"
 # the agent's pid, in its workers' environment: a SIGTERM from anyone else is the agent's to act on
 # (hp.core.worker_signals)
 AGENT_PID_ENV = "HP_AGENT_PID"
+# the socket of a warm-start server (hp.core.warm_start): ``hp run`` has its agent forked from there
+WARM_START_ENV = "HP_WARM_START"
 
 
 # ---- process ids --------------------------------------------------------------------------

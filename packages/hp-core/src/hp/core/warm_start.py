@@ -1,0 +1,181 @@
+"""A warm start: ``hp run`` agents (and ``hp controller``) forked from one process that has already
+imported torch.
+
+Why: an agent imports torch, its distributed and optimizer packages and ``torch._dynamo`` before it forks
+its node's fork server (:mod:`hp.core.fork_context`), and pays the interpreter's teardown of them at exit:
+~3.5 CPU s on the 2-core box, most of what a short job costs. A machine that starts many short jobs (a test
+session: ~270 agents, ~1,000 of its ~2,800 CPU s) pays it each time.
+
+How: a warm-start server (``python -m hp.core.warm_server SOCKET``) imports once what an agent imports,
+freezes it (:func:`gc.freeze`) and listens on a Unix socket in a private directory. When ``HP_WARM_START``
+names that socket, ``hp run`` (the *stand-in*) asks the server to fork the agent instead of running it
+itself. The fork becomes the process the stand-in would have been: its standard streams (passed over the
+socket), working directory, environment (also what ``/proc/<pid>/environ`` shows), umask, CPU affinity,
+niceness and network namespace (``nsenter --net``), with the stand-in's command line as its title. The
+stand-in stays the process its caller knows:
+
+* a signal it can catch (TERM, INT, HUP, QUIT, USR1, USR2, CONT) is passed on to the agent;
+* it exits as the agent did (same code, or killed by the same signal);
+* killed itself (SIGKILL: a timeout, a test tearing down its process group), the agent is killed at once:
+  the kernel sends the agent SIGKILL when the stand-in's end of the socket closes (``F_SETSIG``).
+
+:func:`resolve` maps a stand-in's pid to its agent's, for whoever signals "the agent" with what it cannot
+pass on (SIGSTOP) or reads its children. What stays different: the agent's parent is the server, and a
+SIGSTOP to the stand-in stops only the stand-in. Under a scheduler (``SLURM_JOB_ID``) the stand-in never
+asks: the step's processes must stay the step's.
+
+Requests cross the socket as one JSON line (never a pickle) from a process of the server's own user
+(``SO_PEERCRED``) and of the same interpreter and hp installation; anything else is refused and the
+stand-in runs the agent itself. The server needs ``CAP_SYS_RESOURCE`` or ``CAP_CHECKPOINT_RESTORE``
+(``prctl(PR_SET_MM)``) to show a fork's environment; without either it refuses to start.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+from hp.core.protocol import WARM_START_ENV
+
+MAX_REQUEST = 4 << 20  # bytes: argv and environment
+REQUEST_WAIT_S = 5.0  # a connected stand-in sends its request at once
+REPLY_WAIT_S = 30.0  # the server forks at once (a busy 2-core box: well under a second); past it, run cold
+FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2,
+             signal.SIGCONT)
+TITLE_ROOM = 4096  # bytes of command line the server keeps for its forks' titles (setproctitle writes there)
+_IN_SERVER = False  # set in the server, so in its forks: a fork runs the agent itself
+
+
+# ---- the stand-in ----------------------------------------------------------------------------
+WARM_COMMANDS = ("run", "controller")  # the hp commands that import torch to serve a job: the agent, the controller
+
+
+def _is_warm(argv: list[str]) -> bool:
+    rest = list(argv)
+    while rest and rest[0].startswith("--log-level"):
+        rest = rest[1:] if "=" in rest[0] else rest[2:]
+    return bool(rest) and rest[0] in WARM_COMMANDS
+
+
+def identity() -> dict[str, str]:
+    import hp.core
+
+    return {"executable": sys.executable, "hp": os.path.dirname(os.path.abspath(hp.core.__file__))}
+
+
+def delegate(argv: list[str]) -> int | None:
+    """In ``hp``: have the warm-start server named by ``HP_WARM_START`` run this ``hp run`` (or ``hp
+    controller``) and wait for it as the agent itself (see the module docstring). None: no server, another
+    command, or refused: run here."""
+    path = os.environ.get(WARM_START_ENV, "")
+    if not path or _IN_SERVER or os.environ.get("SLURM_JOB_ID") or not _is_warm(argv):
+        return None
+    # held from the request until they can be passed on: one sent meanwhile is the agent's, not a kill
+    signal.pthread_sigmask(signal.SIG_BLOCK, FORWARDED)
+    try:
+        return _delegate(path, argv)
+    finally:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, FORWARDED)
+
+
+def _delegate(path: str, argv: list[str]) -> int | None:
+    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        conn.settimeout(REQUEST_WAIT_S)
+        conn.connect(path)
+        fds = [fd for fd in (0, 1, 2) if _valid_fd(fd)]
+        umask = os.umask(0)
+        os.umask(umask)
+        request = {**identity(), "argv": [sys.argv[0], *argv], "env": dict(os.environ), "cwd": os.getcwd(),
+                   "umask": umask, "affinity": sorted(os.sched_getaffinity(0)),
+                   "nice": os.getpriority(os.PRIO_PROCESS, 0), "fds": fds,
+                   "title": " ".join([sys.executable, *sys.orig_argv[1:]])}
+        socket.send_fds(conn, [json.dumps(request).encode() + b"\n"], fds)
+        conn.settimeout(REPLY_WAIT_S)
+        reader = conn.makefile("rb")
+        reply = json.loads(reader.readline() or b"{}")
+    except (OSError, ValueError):
+        conn.close()
+        return None
+    pid = reply.get("pid")
+    if not isinstance(pid, int):
+        conn.close()
+        return None
+    for sig in FORWARDED:
+        signal.signal(sig, lambda signum, _frame: _pass_on(pid, signum))
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, FORWARDED)
+    conn.settimeout(None)
+    try:
+        end = json.loads(reader.readline() or b"{}")
+    except ValueError:
+        end = {}
+    if "signal" in end:
+        sig = int(end["signal"])
+        if sig not in (signal.SIGKILL, signal.SIGSTOP):  # those two have no handler to reset
+            signal.signal(sig, signal.SIG_DFL)
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, {sig})
+        os.kill(os.getpid(), sig)
+        time.sleep(1)
+    if "exit" not in end:
+        print("hp: the warm-start server ended before the agent reported how it ended", file=sys.stderr)
+        return 1
+    return int(end["exit"])
+
+
+def _valid_fd(fd: int) -> bool:
+    try:
+        os.fstat(fd)
+    except OSError:
+        return False
+    return True
+
+
+def _pass_on(pid: int, signum: int) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signum)
+
+
+def resolve(pid: int) -> int:
+    """The agent a stand-in ``pid`` waits for (``pid`` itself when it is none)."""
+    path = os.environ.get(WARM_START_ENV, "")
+    if not path:
+        return pid
+    try:
+        return int((Path(path).parent / "pids" / str(pid)).read_text())
+    except (OSError, ValueError):
+        return pid
+
+
+@contextlib.contextmanager
+def session() -> Iterator[str]:
+    """A warm-start server for this process and everything it starts: ``HP_WARM_START`` is set while the
+    context lasts; yields the socket. Nothing waits for it: until it listens (its imports, seconds), or if
+    it cannot start, ``hp run`` runs cold."""
+    root = tempfile.mkdtemp(prefix="hp-warm-")  # 0700, ours
+    (Path(root) / "pids").mkdir(mode=0o700)
+    path = os.path.join(root, "sock")
+    room = "x" * TITLE_ROOM
+    proc = subprocess.Popen([sys.executable, "-m", "hp.core.warm_server", path, room], stdin=subprocess.DEVNULL)
+    old = os.environ.get(WARM_START_ENV)
+    os.environ[WARM_START_ENV] = path
+    try:
+        yield path
+    finally:
+        if old is None:
+            os.environ.pop(WARM_START_ENV, None)
+        else:
+            os.environ[WARM_START_ENV] = old
+        proc.kill()
+        proc.wait()
+        import shutil
+
+        shutil.rmtree(root, ignore_errors=True)
