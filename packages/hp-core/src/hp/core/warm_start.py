@@ -1,5 +1,4 @@
-"""A warm start: ``hp run`` agents (and ``hp controller``) forked from one process that has already
-imported torch.
+"""A warm start: ``hp run`` agents forked from one process that has already imported torch.
 
 Why: an agent imports torch, its distributed and optimizer packages and ``torch._dynamo`` before it forks
 its node's fork server (:mod:`hp.core.fork_context`), and pays the interpreter's teardown of them at exit:
@@ -56,7 +55,7 @@ _IN_SERVER = False  # set in the server, so in its forks: a fork runs the agent 
 
 
 # ---- the stand-in ----------------------------------------------------------------------------
-WARM_COMMANDS = ("run", "controller")  # the hp commands that import torch to serve a job: the agent, the controller
+WARM_COMMANDS = ("run",)  # `hp controller` stays cold: tests and `hp bench failover` SIGSTOP it by its pid
 
 
 def _is_warm(argv: list[str]) -> bool:
@@ -73,9 +72,8 @@ def identity() -> dict[str, str]:
 
 
 def delegate(argv: list[str]) -> int | None:
-    """In ``hp``: have the warm-start server named by ``HP_WARM_START`` run this ``hp run`` (or ``hp
-    controller``) and wait for it as the agent itself (see the module docstring). None: no server, another
-    command, or refused: run here."""
+    """In ``hp``: have the warm-start server named by ``HP_WARM_START`` run this ``hp run`` and wait for it
+    as the agent itself (see the module docstring). None: no server, another command, or refused: run here."""
     path = os.environ.get(WARM_START_ENV, "")
     if not path or _IN_SERVER or os.environ.get("SLURM_JOB_ID") or not _is_warm(argv):
         return None

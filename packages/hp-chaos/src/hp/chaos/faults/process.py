@@ -24,6 +24,7 @@ from collections.abc import Callable
 from hp.chaos.faults.base import Action, AtStep, FaultKind, FaultSpec, Injection, JobShape, LiveJob, Param, positive
 from hp.core.hookspecs import hookimpl
 from hp.core.protocol import Event
+from hp.core.warm_start import resolve
 
 
 def _in_process(spec: FaultSpec, **extra) -> dict:
@@ -49,7 +50,10 @@ class SignalAt(AtStep):
         t = self.spec.target
         if t.kind == "rank":
             return job.rank_pid(t.index)
-        return job.spare_pid(t.index) if t.kind == "spare" else job.controller_pid()
+        if t.kind == "spare":
+            return job.spare_pid(t.index)
+        pid = job.controller_pid()  # an agent's process: its stand-in's, when the agent was forked warm
+        return None if pid is None else resolve(pid)  # a SIGSTOP must stop the agent, not its stand-in
 
     def ready(self, job: LiveJob) -> bool:
         return super().ready(job) and self._pid(job) is not None
