@@ -271,7 +271,7 @@ def serve(path: str) -> None:
     parent_death_signal(signal.SIGKILL)
     if os.getppid() != parent:
         return
-    _set_environ_area(dict(os.environ))  # fails here, before anything is served, without CAP_SYS_RESOURCE
+    _set_environ_area(dict(os.environ))  # fails here, before anything is served, without CAP_SYS_RESOURCE or CAP_CHECKPOINT_RESTORE
     warm_start._IN_SERVER = True  # its forks run hp themselves
     preload()
     gc.freeze()
