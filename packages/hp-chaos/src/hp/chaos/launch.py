@@ -40,6 +40,7 @@ from typing import Any
 
 from hp.chaos.faults.base import Action
 from hp.chaos.scenario import JobSpec
+from hp.chaos.stacks import dump as dump_stacks
 from hp.checkpointless.demo.run import DemoConfig, RunResult, job_command
 from hp.checkpointless.events import EventLog, read_events
 from hp.core import auth
@@ -301,6 +302,8 @@ class JobRun:
     agent_pids: list[int] = field(default_factory=list)  # the same agents' pids
     decisions: list[dict] = field(default_factory=list)  # every node's controller decisions, oldest first
     store: str = "tcp"  # the job's store (job.store)
+    stacks: dict[int, tuple[str, str]] = field(default_factory=dict)  # timed out: each live process's title
+    # and stacks, taken before it was killed (hp.chaos.stacks)
 
 
 def run_job(job: JobSpec, log_dir: str, hp_faults: list[dict], actions: list[Action] = (),
@@ -359,8 +362,11 @@ def run_job(job: JobSpec, log_dir: str, hp_faults: list[dict], actions: list[Act
                     EventLog(os.path.join(node_dirs[0], "events"), "chaos"), storage, topo, job.spares, controller,
                     starter=join, etcd=etcd, decision_log=_DecisionTail(node_dirs) if etcd is not None else None,
                     endpoint=endpoint, token=base_env.get(auth.TOKEN_ENV))
+        stacks: dict[int, tuple[str, str]] = {}
         try:
             timed_out, errors = _watch(live, list(actions), start + job.timeout_s)
+            if timed_out:  # where each process is stuck, while it still is
+                stacks = dump_stacks(_tagged(tag), log_dir)
         finally:
             live.log.close()
             orphans = _reap(agents + ([controller] if controller else []), tag)
@@ -376,7 +382,7 @@ def run_job(job: JobSpec, log_dir: str, hp_faults: list[dict], actions: list[Act
     # with etcd the last elected leader's (node 0's agent may be the one a fault killed)
     code = live.outcome_agent().returncode if not timed_out else 124
     return JobRun(RunResult(code, wall, events, output), timed_out, orphans, errors,
-                  [a.returncode for a in agents], [a.pid for a in agents], decisions, job.store)
+                  [a.returncode for a in agents], [a.pid for a in agents], decisions, job.store, stacks)
 
 
 def _start_etcd(stack: contextlib.ExitStack, host: str, log_dir: str) -> Any:

@@ -36,12 +36,13 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import statistics
 import tempfile
 from dataclasses import asdict, replace
 from typing import Any
 
-from hp.chaos import bench_goodput
+from hp.chaos import bench_goodput, stacks
 from hp.chaos.faults import fault_kinds
 from hp.chaos.faults.base import FaultSpec
 from hp.chaos.finish import FinishAfter
@@ -202,7 +203,7 @@ def evaluate(scenario: Scenario, reference: RunResult, run: JobRun, persisted: d
                         f"{_last_line(reference.output)}")
     if run.timed_out:
         failures.append(f"completes: the faulted job neither completed nor ended within {scenario.job.timeout_s} s; "
-                        f"{_where_stuck(faulted)}")
+                        f"{_where_stuck(run)}")
     elif expect.completes and not completed:
         failures.append(f"completes: the faulted job failed (exit {faulted.returncode}): {_last_line(faulted.output)}")
     elif not expect.completes and completed:
@@ -336,18 +337,29 @@ def _first_commit(result: RunResult) -> float | None:
     return next((e["t"] for e in result.events if e["event"] == Event.COMMIT and e.get("rank") == 0), None)
 
 
-def _where_stuck(result: RunResult) -> str:
-    """What a job that ran out of time was doing: each process's last event and the job's last output
-    lines (CI keeps the failure message, not the log directory)."""
+_TORCH_LOG = re.compile(r"^\[[WIEF]\d{4} [\d:.]+ \S+\.cpp:\d+\] ")  # torch's C++ (glog) lines
+
+
+def _where_stuck(run: JobRun) -> str:
+    """What a job that ran out of time was doing: each process's last event, where each live process
+    was stuck (its main thread's innermost frames, hp.chaos.stacks) and the job's last output lines but
+    torch's C++ warnings (an idle store read warns every 2 s); CI keeps the failure message, not the log
+    directory."""
+    result = run.result
     last: dict[int, dict] = {}
     for e in result.events:
         last[e.get("pid", 0)] = e
     end = result.events[-1]["t"] if result.events else 0.0
     shown = [f"pid {pid}: {e['event']} " + json.dumps({k: v for k, v in e.items() if k not in ("t", "pid", "event")})[:160]
              + f" ({end - e['t']:.1f} s before the last event)" for pid, e in sorted(last.items())]
-    tail = [line for line in result.output.strip().splitlines() if line.strip()][-8:]
+    lines = [line for line in result.output.strip().splitlines() if line.strip()]
+    tail = [line for line in lines if not _TORCH_LOG.match(line)][-8:]
+    left_out = sum(1 for line in lines if _TORCH_LOG.match(line))
     return "last event of each process:\n    " + "\n    ".join(shown or ["(none)"]) + \
-        "\n  last lines of the job's output:\n    " + "\n    ".join(tail or ["(none)"])
+        "\n  where each live process was (main thread, innermost first):\n    " + \
+        "\n    ".join(stacks.summary(run.stacks) or ["(none alive)"]) + \
+        f"\n  last lines of the job's output ({left_out} lines of torch's C++ warnings left out):\n    " + \
+        "\n    ".join(tail or ["(none)"])
 
 
 def _last_line(output: str) -> str:
