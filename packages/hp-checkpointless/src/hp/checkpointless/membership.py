@@ -31,7 +31,7 @@ from hp.core.protocol import (
     SpareAssignment, arrive_prefix, plan_key, spare_key,
 )
 from hp.core.signed_values import Refusals, unseal
-from hp.core.worker_signals import parent_death_signal
+from hp.core.worker_signals import parent_death_signal, pid_alive
 
 ARRIVE_SLICE_S = 2.0  # with a channel: a rank blocked in the arrival barrier looks whether the job finished this often
 WATCH_WAKE_S = 5.0  # with a channel: the watch thread re-waits this often (a change or a stop wakes it at once)
@@ -251,15 +251,6 @@ def _left_behind(view: JobView, generation: int) -> None:
         raise JobFinished(f"the job finished at step {finished} before generation {generation} formed")
 
 
-def _gone(pid: int) -> bool:
-    """Whether process ``pid`` has exited (no such process, or a zombie its parent has not reaped yet)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] in ("Z", "X")
-    except (FileNotFoundError, ProcessLookupError, IndexError):
-        return True
-
-
 class Watch:
     """Background threads: one beats the heartbeat file and ends a process whose agent died (its
     workers would otherwise train on, or a spare wait, unsupervised); one hands each newly published
@@ -295,7 +286,7 @@ class Watch:
         parent is the node's fork server, killed only once the kernel has seen the agent die) the agent's
         process is gone. Asked by the main thread when a failure comes first (the store lived in the
         agent), the second answer does not depend on how soon the fork server dies."""
-        return os.getppid() != self._parent or (self._agent is not None and _gone(self._agent))
+        return os.getppid() != self._parent or (self._agent is not None and not pid_alive(self._agent))
 
     def beat(self) -> None:
         if self._heartbeat_file:

@@ -35,14 +35,19 @@ from hp.core.protocol import AGENT_PID_ENV
 
 
 def pid_alive(pid: int) -> bool:
-    """Whether process ``pid`` exists (one of another user's counts)."""
+    """Whether process ``pid`` runs (one of another user's counts; a zombie its parent has not reaped yet
+    does not)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
     except PermissionError:
-        return True
-    return True
+        pass
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except (OSError, IndexError):
+        return not os.path.isdir("/proc/self")  # no procfs: kill(pid, 0) said it exists
 
 
 def parent_death_signal(sig: int) -> None:
