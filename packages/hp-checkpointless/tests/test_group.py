@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 import time
 from datetime import timedelta
 from pathlib import Path
@@ -15,6 +14,7 @@ import torch.distributed as dist
 from hp.checkpointless.group import FormingStore
 from hp.checkpointless.recovery import CollectiveError
 from hp.core import get_backend
+from hp.core.warm_start import python_command
 
 
 @pytest.fixture
@@ -49,7 +49,7 @@ def test_a_group_given_up_while_forming_leaves_the_next_generation_formable(serv
     # the flaky elastic-kill-joiner-during-grow: the joiner died after the arrival barrier; its peer
     # waited the group's whole 60 s init timeout, then used a group name the fresh joiner did not
     worker = Path(__file__).with_name("group_worker.py")
-    procs = [subprocess.Popen([sys.executable, str(worker), role, str(server.port)], stdout=subprocess.PIPE, text=True)
+    procs = [subprocess.Popen(python_command([str(worker), role, str(server.port)]), stdout=subprocess.PIPE, text=True)
              for role in ("abandon", "fresh")]
     try:
         outs = [json.loads(p.communicate(timeout=120)[0]) for p in procs]
@@ -65,7 +65,7 @@ def test_a_group_given_up_while_forming_leaves_the_next_generation_formable(serv
 def _run(server, roles: tuple[str, ...]) -> list[dict]:
     """Run connect_worker.py once per role (``ROLE`` or ``ROLE:ARG``); rc and the JSON it printed."""
     worker = Path(__file__).with_name("connect_worker.py")
-    procs = [subprocess.Popen([sys.executable, str(worker), *role.split(":")[:1], str(server.port), *role.split(":")[1:]],
+    procs = [subprocess.Popen(python_command([str(worker), *role.split(":")[:1], str(server.port), *role.split(":")[1:]]),
                               stdout=subprocess.PIPE, text=True) for role in roles]
     try:
         outs = [p.communicate(timeout=120)[0] for p in procs]

@@ -27,6 +27,7 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from hp.checkpointless.events import read_events
 from hp.checkpointless.sharded import ShardedOptimizer
+from hp.core.warm_start import python_command
 
 WORKER_PATH = Path(__file__).with_name("reshard_worker.py")
 _spec = importlib.util.spec_from_file_location("reshard_worker", WORKER_PATH)
@@ -77,7 +78,7 @@ class Job:
             for role in self.roles:
                 with open(self.out / f"log-{role}.txt", "w") as log:
                     procs[role] = subprocess.Popen(
-                        [sys.executable, str(WORKER_PATH), self.scenario, role, str(store.port), str(self.out)],
+                        python_command([str(WORKER_PATH), self.scenario, role, str(store.port), str(self.out)]),
                         env=env, stdout=log, stderr=subprocess.STDOUT)
             deadline = time.monotonic() + TIMEOUT_S
             for p in procs.values():

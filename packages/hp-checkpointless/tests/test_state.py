@@ -8,7 +8,6 @@ import os
 import random
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -18,6 +17,7 @@ import torch
 
 from hp.checkpointless import state as st
 from hp.core.testing import free_port
+from hp.core.warm_start import python_command
 
 WORKER = Path(__file__).with_name("state_worker.py")
 
@@ -141,7 +141,7 @@ def run(scenario: str, world: int, out: Path, timeout: float = 120) -> tuple[dic
     port = free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": "lo"}
     logs = [open(out / f"log{r}.txt", "w") for r in range(world)]
-    procs = [subprocess.Popen([sys.executable, str(WORKER), scenario, str(r), str(world), str(port), str(out)],
+    procs = [subprocess.Popen(python_command([str(WORKER), scenario, str(r), str(world), str(port), str(out)]),
                               env=env, stdout=logs[r], stderr=subprocess.STDOUT) for r in range(world)]
     deadline = time.monotonic() + timeout
     try:

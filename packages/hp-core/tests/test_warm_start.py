@@ -15,7 +15,8 @@ import pytest
 
 from hp.core.protocol import WARM_START_ENV
 from hp.core.testing import HP, tagged_pids, wait_for
-from hp.core.warm_start import resolve
+from hp.core.warm_server import INTERPRETER_ENV
+from hp.core.warm_start import python_command, resolve
 
 # waits for the test's word, then exits with the code it names
 SCRIPT = """
@@ -159,6 +160,9 @@ def test_the_agent_enters_the_stand_in_s_network_namespace(server, tmp_path):
 @pytest.mark.parametrize("request_line, why", [
     ({"executable": "/usr/bin/python3"}, "another interpreter or hp installation"),
     ({"hp": "/elsewhere/hp/core"}, "another interpreter or hp installation"),
+    ({"mode": "shell"}, "malformed request"),
+    ({"env": {"PYTHONHASHSEED": "12345"}}, "interpreter settings differ: PYTHONHASHSEED"),
+    ({"mode": "python", "argv": ["-c", "import os; os.system('id')"]}, "malformed request"),
     (b"not json\n", "Expecting value"),
     (b"x" * 70000, "request cut short or too large"),
 ])
@@ -169,9 +173,10 @@ def test_a_request_the_server_must_not_fork_for_is_refused(server, request_line,
 
     if isinstance(request_line, dict):
         good = {"executable": sys.executable, "hp": os.path.dirname(os.path.abspath(hp.core.__file__)),
-                "argv": ["hp", "run", "x.py"], "env": {}, "cwd": "/", "umask": 0o22, "affinity": [0], "nice": 0,
+                "mode": "hp", "argv": ["hp", "run", "x.py"], "cwd": "/", "umask": 0o22, "affinity": [0], "nice": 0,
                 "fds": [], "title": "hp run x.py"}
-        request_line = json.dumps({**good, **request_line}).encode() + b"\n"
+        env = {k: os.environ[k] for k in INTERPRETER_ENV if k in os.environ}  # the server's: the session's
+        request_line = json.dumps({**good, **request_line, "env": {**env, **request_line.get("env", {})}}).encode() + b"\n"
     with socket.socket(socket.AF_UNIX) as s:
         s.settimeout(30)
         s.connect(server)
@@ -180,3 +185,70 @@ def test_a_request_the_server_must_not_fork_for_is_refused(server, request_line,
             s.shutdown(socket.SHUT_WR)
         reply = json.loads(s.makefile("rb").readline())
     assert "pid" not in reply and why in reply["refused"], reply
+
+
+PROGRAM = """
+import json, os, sys
+warm = "torch" in sys.modules  # before the program imports anything: only a warm fork has it
+import torch
+here = {"warm": warm, "name": __name__, "argv": sys.argv, "path": sys.path[:2], "cwd": os.getcwd(),
+        "threads": torch.get_num_threads(), "tag": os.environ.get("WARM_TAG"), "stdin": sys.stdin.read()}
+if sys.argv[1:] == ["fail"]:
+    raise RuntimeError("the program failed")
+print(json.dumps(here), flush=True)
+sys.exit(7)
+"""
+
+
+def _program(tmp_path: Path, command: list[str], *args: str) -> tuple[int, str]:
+    """Run PROGRAM (tmp_path/prog/p.py, from tmp_path) with ``command``: (exit code, output)."""
+    (tmp_path / "prog").mkdir(exist_ok=True)
+    (tmp_path / "prog" / "p.py").write_text(PROGRAM)
+    env = {**os.environ, "WARM_TAG": tmp_path.name, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(tmp_path / "lib")}
+    proc = subprocess.Popen([*command, "prog/p.py", *args], cwd=tmp_path, env=env, stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    out = proc.communicate(input="from stdin", timeout=120)[0]
+    return proc.returncode, out
+
+
+def test_a_python_program_forked_warm_runs_as_the_interpreter_would_run_it(server, tmp_path):
+    """``python_command`` (the session has a server): the program runs in a fork that has torch, with the
+    ``__main__``, ``sys.argv``, ``sys.path`` (PYTHONPATH too), working directory, environment, stdin, torch thread count
+    (OMP_NUM_THREADS) and exit code of ``python prog/p.py`` (run cold beside it); an exception is a traceback
+    and exit 1 as well."""
+    assert python_command(["prog/p.py", "a"]) == [sys.executable, "-m", "hp.core.warm_start", "prog/p.py", "a"]
+    warm_code, warm_out = _program(tmp_path, [sys.executable, "-m", "hp.core.warm_start"], "a", "b")
+    cold_code, cold_out = _program(tmp_path, [sys.executable], "a", "b")
+    warm, cold = json.loads(warm_out.splitlines()[-1]), json.loads(cold_out.splitlines()[-1])
+    assert (warm.pop("warm"), cold.pop("warm")) == (True, False)
+    assert warm == cold == {"name": "__main__", "argv": ["prog/p.py", "a", "b"],
+                            "path": [str(tmp_path / "prog"), str(tmp_path / "lib")],
+                            "cwd": str(tmp_path), "threads": 1, "tag": tmp_path.name, "stdin": "from stdin"}
+    assert warm_code == cold_code == 7
+    code, out = _program(tmp_path, [sys.executable, "-m", "hp.core.warm_start"], "fail")
+    assert code == 1 and "RuntimeError: the program failed" in out and "Traceback" in out, out
+
+
+def test_without_a_server_the_stand_in_runs_the_program_cold(tmp_path, monkeypatch):
+    monkeypatch.setenv(WARM_START_ENV, "")
+    assert python_command(["x.py", "1"]) == [sys.executable, "x.py", "1"]
+    code, out = _program(tmp_path, [sys.executable, "-m", "hp.core.warm_start"], "c")
+    assert code == 7 and json.loads(out.splitlines()[-1])["warm"] is False, out
+
+
+def test_a_stand_in_waits_for_a_starting_server_and_not_for_a_dead_one(tmp_path, monkeypatch):
+    """Started while its server still imports, the program runs warm (it waited); a server that died
+    before listening is not waited for (cold at once)."""
+    from hp.core import warm_start
+
+    with warm_start.session() as path:
+        assert not os.path.exists(path)  # still importing
+        code, out = _program(tmp_path, [sys.executable, "-m", "hp.core.warm_start"], "s")
+        assert code == 7 and json.loads(out.splitlines()[-1])["warm"] is True, out
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    (tmp_path / "gone").mkdir()
+    (tmp_path / "gone" / "server").write_text(str(dead.pid))
+    monkeypatch.setenv(WARM_START_ENV, str(tmp_path / "gone" / "sock"))
+    code, out = _program(tmp_path, [sys.executable, "-m", "hp.core.warm_start"], "d")
+    assert code == 7 and json.loads(out.splitlines()[-1])["warm"] is False, out

@@ -20,6 +20,7 @@ import pytest
 
 from hp.core.auth import new_token
 from hp.core.testing import HP, free_port, wait_for
+from hp.core.warm_start import python_command
 from hp.tiered_ckpt.client import DaemonClient
 from hp.tiered_ckpt.wire import ADMIN_KEY_FILE, read_admin_key
 
@@ -118,7 +119,7 @@ class Ranks:
     def __init__(self, world: int, args: list[str], env: dict) -> None:
         port = free_port()
         self.procs = [subprocess.Popen(
-            [sys.executable, str(WORKER), *args],
+            python_command([str(WORKER), *args]),
             env={**env, "RANK": str(r), "WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1",
                  "MASTER_PORT": str(port), "PYTHONPATH": str(WORKER.parent)},
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)

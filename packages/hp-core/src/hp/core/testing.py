@@ -16,6 +16,8 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from hp.core.warm_start import python_command
+
 HP = [sys.executable, "-m", "hp.core.cli"]
 
 
@@ -134,7 +136,7 @@ def run_ranks(argv: list[str], world: int, timeout_s: float, what: str, env: dic
     in its own session; raise AssertionError naming the failed ranks (with their output's tail), or when
     they do not all finish within ``timeout_s``; kill every one still running whatever happens."""
     port = free_port()
-    procs = [subprocess.Popen([sys.executable, *argv, str(r), str(world), str(port)], env=env or dict(os.environ),
+    procs = [subprocess.Popen(python_command([*argv, str(r), str(world), str(port)]), env=env or dict(os.environ),
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True)
              for r in range(world)]
     try:

@@ -1,5 +1,6 @@
 """The warm-start server (:mod:`hp.core.warm_start`): it imports what an agent imports, then forks, for
-each stand-in's request, a process that becomes the one the stand-in would have been and runs ``hp``.
+each stand-in's request, a process that becomes the one the stand-in would have been and runs ``hp`` or
+the Python program the stand-in stands for.
 
 ``python -m hp.core.warm_server SOCKET [ROOM]``: ROOM is command-line space for the forks' titles
 (setproctitle writes within the server's own command line). Dies with its parent.
@@ -27,6 +28,12 @@ _PR_SET_MM, _PR_SET_MM_MAP = 35, 14
 _F_SETSIG = getattr(fcntl, "F_SETSIG", 10)
 _CLONE_NEWNET = 0x40000000
 _ENV_KEEP: list = []  # the buffer a fork's /proc/<pid>/environ points at
+# read once, when an interpreter starts: a request whose values differ from the server's is refused (the
+# stand-in runs cold); PYTHONPATH is applied in the fork, PYTHONUNBUFFERED to its streams
+INTERPRETER_ENV = ("PYTHONHASHSEED", "PYTHONOPTIMIZE", "PYTHONDONTWRITEBYTECODE", "PYTHONWARNINGS",
+                   "PYTHONFAULTHANDLER", "PYTHONDEVMODE", "PYTHONUTF8", "PYTHONIOENCODING", "PYTHONNOUSERSITE",
+                   "PYTHONSAFEPATH", "PYTHONHOME", "PYTHONINTMAXSTRDIGITS", "PYTHONMALLOC", "PYTHONTRACEMALLOC",
+                   "PYTHONSTARTUP", "PYTHONPLATLIBDIR", "PYTHONUSERBASE")
 
 
 def preload() -> None:
@@ -114,20 +121,50 @@ def _become(conn: socket.socket, request: dict, fds: list[int], peer: int) -> No
     sys.stdout = open(1, "w", buffering=1 if unbuffered or os.isatty(1) else -1, closefd=False)  # noqa: SIM115
     sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
     sys.argv = request["argv"]
+    _set_threads(request["env"])
 
 
-def _run_hp() -> int:
-    """``hp``'s main as the interpreter would run it, ending as it would: non-daemon threads joined, atexit
+_DEFAULT_THREADS: list[int] = []  # torch's intra-op threads in the server, started without OMP_NUM_THREADS
+
+
+def _set_threads(env: dict[str, str]) -> None:
+    """torch's intra-op thread count as a cold start under ``env`` would have it: OpenMP read the server's
+    environment when torch was imported."""
+    import torch
+
+    wanted = env.get("OMP_NUM_THREADS", "")
+    n = int(wanted) if wanted.isdigit() and int(wanted) > 0 else _DEFAULT_THREADS[0]
+    if torch.get_num_threads() != n:
+        torch.set_num_threads(n)
+
+
+def _main(request: dict):
+    """What the fork runs: ``hp``'s main, or the program a ``python`` stand-in stands for."""
+    if request["mode"] == "hp":
+        from hp.core import cli
+
+        return cli.main
+    from hp.core.worker_main import exec_main
+
+    warm_start._IN_SERVER = False  # a program may start warm programs of its own
+    if request["argv"][0] == "-m":
+        sys.path[0] = os.getcwd()  # as `python -m` has it (a script's directory: exec_main)
+    extra = [p for p in request["env"].get("PYTHONPATH", "").split(os.pathsep) if p and p not in sys.path]
+    sys.path[1:1] = extra  # where the interpreter puts PYTHONPATH: after sys.path[0]
+    return lambda: exec_main(request["argv"])
+
+
+def _run(main) -> int:
+    """``main`` as the interpreter would run it, ending as it would: non-daemon threads joined, atexit
     handlers run, streams flushed; the teardown of the preloaded modules is skipped."""
     import atexit
     import threading
     import traceback
 
-    from hp.core import cli
-
     code, interrupted = 1, False
     try:
-        code = cli.main()
+        code = main()
+        code = 0 if code is None else code
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else (0 if e.code is None else (print(e.code, file=sys.stderr) or 1))
     except KeyboardInterrupt:
@@ -146,8 +183,8 @@ def _run_hp() -> int:
     return code
 
 
-_FIELDS = {"executable": str, "hp": str, "argv": list, "env": dict, "cwd": str, "umask": int, "affinity": list,
-           "nice": int, "fds": list, "title": str}
+_FIELDS = {"executable": str, "hp": str, "mode": str, "argv": list, "env": dict, "cwd": str, "umask": int,
+           "affinity": list, "nice": int, "fds": list, "title": str}
 
 
 def _read_request(conn: socket.socket) -> tuple[dict, list[int]]:
@@ -170,7 +207,8 @@ def _read_request(conn: socket.socket) -> tuple[dict, list[int]]:
 def _parsed(data: bytes, fds: list[int]) -> dict:
     request = json.loads(data)
     if not isinstance(request, dict) or any(not isinstance(request.get(k), t) for k, t in _FIELDS.items()) or \
-            not all(isinstance(a, str) for a in request["argv"]) or \
+            request["mode"] not in ("hp", "python") or not all(isinstance(a, str) for a in request["argv"]) or \
+            (request["mode"] == "python" and not _program(request["argv"])) or \
             not all(isinstance(k, str) and isinstance(v, str) for k, v in request["env"].items()) or \
             not request["affinity"] or not all(isinstance(c, int) for c in request["affinity"]) or \
             len(fds) != len(request["fds"]) or not set(request["fds"]) <= {0, 1, 2}:
@@ -178,9 +216,15 @@ def _parsed(data: bytes, fds: list[int]) -> dict:
     return request
 
 
+def _program(argv: list[str]) -> bool:
+    """Whether ``argv`` (after the interpreter) names a program as ``exec_main`` runs it: SCRIPT or -m MODULE."""
+    return bool(argv) and (not argv[0].startswith("-") or (argv[0] == "-m" and len(argv) > 1))
+
+
 class _Server:
     def __init__(self, path: str) -> None:
         self.path, self.identity = path, identity()
+        self.interpreter_env = {k: os.environ.get(k) for k in INTERPRETER_ENV}
         self.pids = Path(path).parent / "pids"
         self.children: dict[int, tuple[socket.socket, int]] = {}  # agent pid -> (its stand-in's socket, stand-in pid)
 
@@ -190,9 +234,10 @@ class _Server:
         signal.set_wakeup_fd(wake_w)
         signal.signal(signal.SIGCHLD, lambda *_: None)
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        listener.bind(self.path)
-        os.chmod(self.path, 0o600)
+        listener.bind(self.path + ".new")
+        os.chmod(self.path + ".new", 0o600)
         listener.listen(64)
+        os.rename(self.path + ".new", self.path)  # the socket appears listening: a stand-in waits until it does
         while True:
             ready = select.select([listener, wake_r], [], [])[0]
             if wake_r in ready:
@@ -211,10 +256,11 @@ class _Server:
             if uid != os.getuid():
                 raise ValueError("another user")
             request, fds = _read_request(conn)
-            if {k: request[k] for k in self.identity} != self.identity:
+            refusal = self._refusal(request)
+            if refusal:
                 for fd in fds:
                     os.close(fd)
-                raise ValueError("another interpreter or hp installation")
+                raise ValueError(refusal)
         except (OSError, ValueError) as e:
             with contextlib.suppress(OSError):
                 conn.sendall(json.dumps({"refused": str(e)}).encode() + b"\n")
@@ -233,7 +279,7 @@ class _Server:
                 for other, _stand_in in self.children.values():
                     other.close()
                 _become(conn, request, fds, pid_)
-                code = _run_hp()
+                code = _run(_main(request))
             finally:
                 os._exit(code)
         for fd in fds:
@@ -243,6 +289,13 @@ class _Server:
         with contextlib.suppress(OSError):
             conn.settimeout(REQUEST_WAIT_S)
             conn.sendall(json.dumps({"pid": child}).encode() + b"\n")
+
+    def _refusal(self, request: dict) -> str:
+        """Why the fork would not be the process the stand-in's would have been ("": it would)."""
+        if {k: request[k] for k in self.identity} != self.identity:
+            return "another interpreter or hp installation"
+        differ = sorted(k for k, v in self.interpreter_env.items() if request["env"].get(k) != v)
+        return f"interpreter settings differ: {', '.join(differ)}" if differ else ""
 
     def _reap(self) -> None:
         while self.children:
@@ -273,7 +326,12 @@ def serve(path: str) -> None:
         return
     _set_environ_area(dict(os.environ))  # fails here, before anything is served, without CAP_SYS_RESOURCE or CAP_CHECKPOINT_RESTORE
     warm_start._IN_SERVER = True  # its forks run hp themselves
+    for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):  # torch's default thread count; each fork sets its own
+        os.environ.pop(name, None)
     preload()
+    import torch
+
+    _DEFAULT_THREADS.append(torch.get_num_threads())
     gc.freeze()
     _Server(path).serve()
 
