@@ -208,17 +208,12 @@ def _parsed(data: bytes, fds: list[int]) -> dict:
     request = json.loads(data)
     if not isinstance(request, dict) or any(not isinstance(request.get(k), t) for k, t in _FIELDS.items()) or \
             request["mode"] not in ("hp", "python") or not all(isinstance(a, str) for a in request["argv"]) or \
-            (request["mode"] == "python" and not _program(request["argv"])) or \
+            (request["mode"] == "python" and not warm_start.program(request["argv"])) or \
             not all(isinstance(k, str) and isinstance(v, str) for k, v in request["env"].items()) or \
             not request["affinity"] or not all(isinstance(c, int) for c in request["affinity"]) or \
             len(fds) != len(request["fds"]) or not set(request["fds"]) <= {0, 1, 2}:
         raise ValueError("malformed request")
     return request
-
-
-def _program(argv: list[str]) -> bool:
-    """Whether ``argv`` (after the interpreter) names a program as ``exec_main`` runs it: SCRIPT or -m MODULE."""
-    return bool(argv) and (not argv[0].startswith("-") or (argv[0] == "-m" and len(argv) > 1))
 
 
 class _Server:

@@ -104,10 +104,16 @@ def delegate(argv: list[str], mode: str = "hp") -> int | None:
         signal.pthread_sigmask(signal.SIG_UNBLOCK, FORWARDED)
 
 
+def program(args: list[str]) -> bool:
+    """Whether ``args`` (what follows the interpreter) name a program a fork can run: SCRIPT or -m MODULE,
+    then its arguments (interpreter options and ``-c`` run cold)."""
+    return bool(args) and (not args[0].startswith("-") or (args[0] == "-m" and len(args) > 1))
+
+
 def python_command(args: list[str]) -> list[str]:
     """The command line that runs ``python ARGS`` (``SCRIPT ...`` or ``-m MODULE ...``) with this interpreter:
     forked by this process's warm-start server when it has one (a stand-in in front), else plainly."""
-    if not args or (args[0].startswith("-") and args[0] != "-m") or not _server():
+    if not program(args) or not _server():
         return [sys.executable, *args]
     return [sys.executable, "-m", "hp.core.warm_start", *args]
 
@@ -115,7 +121,7 @@ def python_command(args: list[str]) -> list[str]:
 def main(args: list[str]) -> int:
     """``python -m hp.core.warm_start ARGS``: the stand-in of ``python ARGS``; without a server (or refused),
     the interpreter is exec'd on ``ARGS`` (the same process, cold)."""
-    code = delegate(args, "python") if args and (args[0] == "-m" or not args[0].startswith("-")) else None
+    code = delegate(args, "python") if program(args) else None
     if code is None:
         os.execv(sys.executable, [sys.executable, *args])
     return code
