@@ -8,7 +8,7 @@ session: ~270 agents, ~1,000 of its ~2,800 CPU s) pays it each time.
 How: a warm-start server (``python -m hp.core.warm_server SOCKET``) imports once what an agent imports,
 freezes it (:func:`gc.freeze`) and listens on a Unix socket in a private directory. When ``HP_WARM_START``
 names that socket, ``hp run`` (the *stand-in*) asks the server to fork the agent instead of running it
-itself. The fork becomes the process the stand-in would have been: its standard streams (passed over the
+itself (so do ``hp demo``, ``hp bench`` and ``hp chaos``, which import torch too: :data:`WARM_COMMANDS`). The fork becomes the process the stand-in would have been: its standard streams (passed over the
 socket), working directory, environment (also what ``/proc/<pid>/environ`` shows), umask, CPU affinity,
 niceness and network namespace (``nsenter --net``), with the stand-in's command line as its title. The
 stand-in stays the process its caller knows:
@@ -67,7 +67,8 @@ _IN_SERVER = False  # set in the server, so in its forks: a fork runs the agent 
 
 
 # ---- the stand-in ----------------------------------------------------------------------------
-WARM_COMMANDS = ("run",)  # `hp controller` stays cold: tests and `hp bench failover` SIGSTOP it by its pid
+WARM_COMMANDS = ("run", "demo", "bench", "chaos")  # `hp controller` stays cold: tests and `hp bench failover`
+# SIGSTOP it by its pid
 
 
 def _is_warm(argv: list[str]) -> bool:
