@@ -19,6 +19,7 @@ import torch
 from hp.checkpointless.data import (
     Batches, TokenCache, cache_directory, measure_cold_warm, synthetic_corpus, tokenize,
 )
+from hp.core.warm_start import python_command
 
 
 def _fail() -> np.ndarray:
@@ -114,7 +115,7 @@ _RACER = textwrap.dedent("""
 
 def test_three_concurrent_processes_build_once(tmp_path):
     env = {**os.environ, "HP_DATA_CACHE_DIR": str(tmp_path)}
-    procs = [subprocess.Popen([sys.executable, "-c", _RACER, str(tmp_path), str(i)], env=env,
+    procs = [subprocess.Popen(python_command(["-c", _RACER, str(tmp_path), str(i)]), env=env,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for i in range(3)]
     try:
         deadline = time.monotonic() + 120

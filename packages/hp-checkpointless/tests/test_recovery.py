@@ -17,6 +17,7 @@ from hp.checkpointless.events import finished_at, read_events
 from hp.core import auth
 from hp.core.control_plane import request_finish
 from hp.core.testing import free_port, kill_tagged, wait_for
+from hp.core.warm_start import python_command
 
 STEPS, AT = 10, 5
 
@@ -184,7 +185,7 @@ def test_a_replaced_process_of_an_old_generation_is_fenced_out(job_env, tmp_path
     cfg = config(spares=1, steps=steps)
     kill = [{"at_step": 2, "phase": "allreduce", "kind": "kill", "rank": 1}]
     env_file = tmp_path / "stale-env.json"
-    stale = subprocess.Popen([sys.executable, "-c", STALE, str(env_file), "--steps", str(steps), "--corpus-mb", "2"],
+    stale = subprocess.Popen(python_command(["-c", STALE, str(env_file), "--steps", str(steps), "--corpus-mb", "2"]),
                              env={**os.environ, **job_env}, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                              start_new_session=True)
     # the stale process is given a worker's environment, read from /proc: a worker started cold has it there

@@ -162,7 +162,7 @@ def test_the_agent_enters_the_stand_in_s_network_namespace(server, tmp_path):
     ({"hp": "/elsewhere/hp/core"}, "another interpreter or hp installation"),
     ({"mode": "shell"}, "malformed request"),
     ({"env": {"PYTHONHASHSEED": "12345"}}, "interpreter settings differ: PYTHONHASHSEED"),
-    ({"mode": "python", "argv": ["-c", "import os; os.system('id')"]}, "malformed request"),
+    ({"mode": "python", "argv": ["-X", "dev", "x.py"]}, "malformed request"),
     (b"not json\n", "Expecting value"),
     (b"x" * 70000, "request cut short or too large"),
 ])
@@ -213,9 +213,9 @@ def _program(tmp_path: Path, command: list[str], *args: str) -> tuple[int, str]:
 
 def test_a_python_program_forked_warm_runs_as_the_interpreter_would_run_it(server, tmp_path):
     """``python_command`` (the session has a server): the program runs in a fork that has torch, with the
-    ``__main__``, ``sys.argv``, ``sys.path`` (PYTHONPATH too), working directory, environment, stdin, torch thread count
-    (OMP_NUM_THREADS) and exit code of ``python prog/p.py`` (run cold beside it); an exception is a traceback
-    and exit 1 as well."""
+    ``__main__``, ``sys.argv``, ``sys.path`` (PYTHONPATH too), working directory, environment, stdin, torch
+    thread count (OMP_NUM_THREADS) and exit code of ``python prog/p.py`` (run cold beside it); an exception is a
+    traceback and exit 1 as well; ``-c CODE ARGS`` has ``python -c``'s argv and sys.path[0]."""
     assert python_command(["prog/p.py", "a"]) == [sys.executable, "-m", "hp.core.warm_start", "prog/p.py", "a"]
     warm_code, warm_out = _program(tmp_path, [sys.executable, "-m", "hp.core.warm_start"], "a", "b")
     cold_code, cold_out = _program(tmp_path, [sys.executable], "a", "b")
@@ -227,6 +227,11 @@ def test_a_python_program_forked_warm_runs_as_the_interpreter_would_run_it(serve
     assert warm_code == cold_code == 7
     code, out = _program(tmp_path, [sys.executable, "-m", "hp.core.warm_start"], "fail")
     assert code == 1 and "RuntimeError: the program failed" in out and "Traceback" in out, out
+    code_c = "import json, sys; print(json.dumps([__name__, sys.argv, sys.path[0], 'torch' in sys.modules]))"
+    outs = [subprocess.run([*cmd, "-c", code_c, "x"], capture_output=True, text=True, cwd=tmp_path, timeout=120)
+            for cmd in ([sys.executable, "-m", "hp.core.warm_start"], [sys.executable])]
+    assert [json.loads(o.stdout) for o in outs] == [["__main__", ["-c", "x"], "", True],
+                                                    ["__main__", ["-c", "x"], "", False]], outs
 
 
 def test_without_a_server_the_stand_in_runs_the_program_cold(tmp_path, monkeypatch):

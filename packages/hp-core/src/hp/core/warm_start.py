@@ -28,7 +28,7 @@ Requests cross the socket as one JSON line (never a pickle) from a process of th
 stand-in runs the agent itself.
 
 The same for any Python program of this interpreter: ``python -m hp.core.warm_start SCRIPT ARGS`` (or ``-m
-MODULE ARGS``; :func:`python_command` builds it, or the plain command without a server) is the stand-in of
+MODULE ARGS``, ``-c CODE ARGS``; :func:`python_command` builds it, or the plain command without a server) is the stand-in of
 ``python SCRIPT ARGS``. The fork runs it as that interpreter would (``__main__``, ``sys.argv``, the script's
 directory first on ``sys.path``: :func:`hp.core.worker_main.exec_main`), with torch's thread count from the
 fork's own ``OMP_NUM_THREADS`` (torch's OpenMP read the server's at its import). A process of many short
@@ -106,9 +106,9 @@ def delegate(argv: list[str], mode: str = "hp") -> int | None:
 
 
 def program(args: list[str]) -> bool:
-    """Whether ``args`` (what follows the interpreter) name a program a fork can run: SCRIPT or -m MODULE,
-    then its arguments (interpreter options and ``-c`` run cold)."""
-    return bool(args) and (not args[0].startswith("-") or (args[0] == "-m" and len(args) > 1))
+    """Whether ``args`` (what follows the interpreter) name a program a fork can run: SCRIPT, -m MODULE or
+    -c CODE, then its arguments (other interpreter options run cold)."""
+    return bool(args) and (not args[0].startswith("-") or (args[0] in ("-m", "-c") and len(args) > 1))
 
 
 def python_command(args: list[str]) -> list[str]:
