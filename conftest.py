@@ -1,8 +1,8 @@
-"""The suite's schedule (longest tests first, from the newest durations results file) and its warm start.
+"""The suite's schedule (longest tests first, from the newest durations results file); hp's pytest plugin.
 
-Warm start: every ``hp run`` a test starts has its agent forked from one server per pytest process that has
-already imported torch (:mod:`hp.core.warm_start`), instead of importing it anew (~3.5 CPU s an agent).
-The agent is the same code, process and environment; ``HP_WARM_START=`` in a test's environment opts out.
+``hp.testing.plugin`` gives every test the session's warm start (each ``hp run`` a test starts has its agent
+forked from one server per pytest process that has already imported torch; ``HP_WARM_START=`` opts out), the
+``launch`` and ``free_port`` fixtures.
 
 Schedule:
 
@@ -17,10 +17,11 @@ Only the order changes, never what runs.
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
+
+pytest_plugins = ["hp.testing.plugin"]
 
 ROOT = Path(__file__).resolve().parent
 UNKNOWN_S = 60.0  # a test not in the file: scheduled as a long one, so that it never runs alone at the end
@@ -35,19 +36,6 @@ def _durations() -> dict[str, float]:
         except (OSError, ValueError, KeyError, TypeError):
             continue
     return {}
-
-
-@pytest.fixture(scope="session", autouse=True)
-def warm_start():
-    """The session's warm-start server; ``HP_WARM_START=`` (set, empty) runs the session cold."""
-    from hp.core import warm_start
-    from hp.core.protocol import WARM_START_ENV
-
-    if os.environ.get(WARM_START_ENV) == "":
-        yield None
-        return
-    with warm_start.session() as path:
-        yield path
 
 
 @pytest.hookimpl(trylast=True)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from hp.checkpointless.events import read_events
 from hp.core import auth
-from hp.core.testing import finish_when, free_port, kill_tagged
+from hp.testing import finish_when, free_port, kill_tagged
 
 ROOT = Path(__file__).resolve().parents[1]
 

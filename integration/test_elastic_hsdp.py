@@ -17,7 +17,7 @@ import sys
 import pytest
 from hp.checkpointless.demo.run import RunResult, final_states
 from hp.checkpointless.events import finished_at, read_events
-from hp.core.testing import finish_when, free_port, kill_tagged, wait_for
+from hp.testing import finish_when, free_port, kill_tagged, wait_for
 from hp.elastic.demo.run import (
     ElasticDemoConfig,
     commits,

@@ -17,7 +17,7 @@ import pytest
 
 from hp.checkpointless.demo.run import DemoConfig, RunResult, compare, compare_state, run_job, sharded_parts
 from hp.core.auth import new_token
-from hp.core.testing import free_port, kill_tagged, wait_for
+from hp.testing import free_port, kill_tagged, wait_for
 from hp.tiered_ckpt.client import DaemonClient
 
 STEPS = 10

@@ -35,12 +35,29 @@ Target = tuple[str, dict[str, Any]]
 
 
 def import_name(dist: str) -> str:
+    """The distribution's own package under the ``hp`` namespace (``hp-tiered-ckpt`` -> ``tiered_ckpt``)."""
     return dist.removeprefix("hp-").replace("-", "_")
 
 
-def project(pkgdir: Path) -> dict[str, Any]:
+def import_packages(dist: str) -> list[str]:
+    """Every package the distribution ships under ``hp``: its own and any other it declares (hp-core ships the
+    opt-in test helpers ``hp.testing`` beside ``hp.core``)."""
+    return sorted(p.name for p in (ROOT / "packages" / dist / "src" / "hp").iterdir()
+                  if p.is_dir() and p.name != "__pycache__")
+
+
+def owner_of(package: str) -> str:
+    """The distribution that ships ``hp.<package>`` (``?hp.<package>`` when none does)."""
+    return next((d for d in DISTS if package in import_packages(d)), f"?hp.{package}")
+
+
+def pyproject(pkgdir: Path) -> dict[str, Any]:
     with open(pkgdir / "pyproject.toml", "rb") as f:
-        return tomllib.load(f)["project"]
+        return tomllib.load(f)
+
+
+def project(pkgdir: Path) -> dict[str, Any]:
+    return pyproject(pkgdir)["project"]
 
 
 def req_name(req: str) -> str:
@@ -176,11 +193,13 @@ def test_wheel_builds(dist: str, tmp_path: Path) -> None:
         names = whl.namelist()
         meta_name = next(n for n in names if n.endswith(".dist-info/METADATA"))
         meta = whl.read(meta_name).decode()
-    pkg = f"hp/{import_name(dist)}/"
-    assert f"{pkg}__init__.py" in names, f"{wheels[0].name} lacks {pkg}__init__.py"
+    assert import_name(dist) in import_packages(dist), f"{dist} has no src/hp/{import_name(dist)}"
+    pkgs = [f"hp/{p}/" for p in import_packages(dist)]
+    for pkg in pkgs:
+        assert f"{pkg}__init__.py" in names, f"{wheels[0].name} lacks {pkg}__init__.py"
     assert "hp/__init__.py" not in names, f"{wheels[0].name} ships hp/__init__.py, breaking the namespace"
-    strays = [n for n in names if n.startswith("hp/") and not n.startswith(pkg)]
-    assert not strays, f"{wheels[0].name} ships modules outside {pkg}: {strays}"
+    strays = [n for n in names if n.startswith("hp/") and not n.startswith(tuple(pkgs))]
+    assert not strays, f"{wheels[0].name} ships modules outside {pkgs}: {strays}"
     assert re.search(rf"^Name: {re.escape(dist)}$", meta, re.M), f"{meta_name} does not name {dist}"
     reqs = [r for r in re.findall(r"^Requires-Dist: (.+)$", meta, re.M) if "extra ==" not in r]
     check_dependency_rule(dist, reqs, f"{wheels[0].name} METADATA")
@@ -191,7 +210,7 @@ def test_core_imports_alone(tmp_path: Path) -> None:
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=tmp_path, timeout=240)
     assert proc.returncode == 0, f"`import hp.core` failed:\n{proc.stderr}"
     loaded: list[str] = ast.literal_eval(proc.stdout.strip().splitlines()[-1])
-    others = [f"hp.{import_name(d)}" for d in DISTS if d != CORE]
+    others = [f"hp.{p}" for d in DISTS if d != CORE for p in import_packages(d)]
     leaked = [m for m in loaded if any(m == o or m.startswith(o + ".") for o in others)]
     assert not leaked, f"importing hp.core also imported other distributions' modules: {leaked}"
 
@@ -219,10 +238,13 @@ def test_declared_dependencies_match_real_imports(dist: str) -> None:
     through the installed metadata (``packages_distributions``), not a hand-written table."""
     from importlib.metadata import packages_distributions
 
-    proj = project(ROOT / "packages" / dist)
+    whole = pyproject(ROOT / "packages" / dist)
+    proj = whole["project"]
     declared = {req_name(r) for r in proj.get("dependencies", [])}
     extras = {req_name(r) for reqs in proj.get("optional-dependencies", {}).values() for r in reqs}
-    plugins = set(proj.get("entry-points", {}).get("pytest11", {}).values())  # loaded by pytest only
+    # loaded by pytest only: pytest11 entry points, and plugins a conftest names (``pytest_plugins``)
+    plugins = {*proj.get("entry-points", {}).get("pytest11", {}).values(),
+               *whole.get("tool", {}).get("hp", {}).get("opt-in-pytest-plugins", [])}
     providers = packages_distributions()
     missing = []
     for path in sorted((ROOT / "packages" / dist / "src").rglob("*.py")):
@@ -230,7 +252,7 @@ def test_declared_dependencies_match_real_imports(dist: str) -> None:
         module = ".".join(rel.parts).removesuffix(".__init__")
         for name, at_module_level in _imports(path):
             if name.split(".")[0] == "hp":
-                dists = {f"hp-{name.split('.')[1].replace('_', '-')}"} if "." in name else set()
+                dists = {owner_of(name.split(".")[1])} if "." in name else set()
             elif name in sys.stdlib_module_names or name == "__future__":
                 continue
             else:

@@ -39,7 +39,7 @@ def abort_timing(repeats: int = 3, backend: str = "cpu:gloo,cuda:nccl", op: str 
     import torch.distributed as dist
     from torch.distributed.distributed_c10d import _abort_process_group
 
-    from hp.core.testing import free_port
+    from hp.core.procs import free_port
 
     torch.cuda.set_device(0)
     out: dict[str, list[float]] = {"init_s": [], "first_allreduce_s": [], "abort_s": [], "destroy_s": []}

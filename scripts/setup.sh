@@ -26,9 +26,9 @@ if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null && ! command -v etcd >/de
     { command -v systemctl && systemctl disable --now etcd; } >/dev/null 2>&1 || true
 fi
 
-# The `slurm` scheduler backend's tests run a real Slurm (hp.core.slurm_cluster: munged, slurmctld and a
+# The `slurm` scheduler backend's tests run a real Slurm (hp.testing.slurm_cluster: munged, slurmctld and a
 # slurmd per fake node, on free ports, in a private directory); the QOS quota tests add accounting
-# (hp.core.slurm_accounting: a private MariaDB and slurmdbd). No system daemon is left running.
+# (hp.testing.slurm_accounting: a private MariaDB and slurmdbd). No system daemon is left running.
 if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null \
         && { ! command -v slurmctld || ! command -v slurmdbd || ! command -v mariadbd; } >/dev/null 2>&1; then
     export DEBIAN_FRONTEND=noninteractive

@@ -8,7 +8,7 @@ import subprocess
 
 import pytest
 from hp.chaos import bench_all
-from hp.core.testing import HP
+from hp.testing import HP
 
 
 @pytest.mark.timeout(300)

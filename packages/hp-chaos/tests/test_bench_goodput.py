@@ -14,7 +14,7 @@ import pytest
 from hp.chaos.bench_goodput import charge, goodput
 from hp.checkpointless.demo.run import DemoConfig, RunResult, job_command
 from hp.checkpointless.events import read_events
-from hp.core.testing import HP, kill_tagged, tagged_pids, wait_for
+from hp.testing import HP, kill_tagged, tagged_pids, wait_for
 
 
 def test_replenished_spares_take_two_successive_kills_with_one_spare(tmp_path):

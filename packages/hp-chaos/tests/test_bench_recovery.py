@@ -10,7 +10,7 @@ import subprocess
 import pytest
 from hp.chaos.bench_recovery import aggregate, analyse_torchrun, every_rank_back
 from hp.core.cli import main as hp_main
-from hp.core.testing import HP, kill_tagged, tagged_pids
+from hp.testing import HP, kill_tagged, tagged_pids
 
 
 

@@ -8,7 +8,7 @@ import os
 import subprocess
 
 import pytest
-from hp.core.testing import HP
+from hp.testing import HP
 
 SCENARIO = """\
 name: cli-slow-rank

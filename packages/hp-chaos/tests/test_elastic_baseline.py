@@ -17,7 +17,7 @@ from hp.chaos.baselines.elastic_torchrun import (
     parse_events,
     run_baseline,
 )
-from hp.core.testing import kill_tagged, tagged_pids
+from hp.testing import kill_tagged, tagged_pids
 
 
 

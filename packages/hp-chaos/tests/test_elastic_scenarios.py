@@ -19,7 +19,7 @@ from hp.chaos.report import format_table
 from hp.chaos.runner import evaluate
 from hp.chaos.scenario import parse_scenario
 from hp.checkpointless.demo.run import RunResult
-from hp.core.testing import replaced
+from hp.testing import replaced
 
 ELASTIC = {"min_replicas": 1, "max_replicas": 3, "global_batch": 8, "micro_batch": 2, "exact": True}
 GOOD = {
@@ -374,7 +374,7 @@ def test_a_grown_rank_is_compared_with_the_reference_s_rank_0():
 
 
 def test_hp_chaos_faults_lists_the_elastic_kinds():
-    from hp.core.testing import HP
+    from hp.testing import HP
 
     out = subprocess.run([*HP, "chaos", "faults", "--json"], capture_output=True, text=True, check=True).stdout
     rows = {r["kind"]: r for r in __import__("json").loads(out)}

@@ -28,7 +28,7 @@ from hp.chaos.scenario import parse_scenario
 from hp.checkpointless.demo.run import RunResult
 from hp.core.errors import BackendUnavailableError
 from hp.core.protocol import Decision, Event
-from hp.core.testing import HP, replaced
+from hp.testing import HP, replaced
 
 ETCD = {"name": "etcd-job", "job": {"nodes": 2, "nproc_per_node": 1, "spares": 1, "steps": 12, "store": "etcd"},
         "faults": [{"at_step": 6, "kind": "kill", "target": "controller"}],

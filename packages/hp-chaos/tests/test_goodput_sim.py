@@ -16,7 +16,7 @@ from hp.chaos.goodput_sim import (
     worked_example, young_daly_interval,
 )
 from hp.core.errors import UsageError
-from hp.core.testing import HP
+from hp.testing import HP
 
 DAY = 86400.0
 

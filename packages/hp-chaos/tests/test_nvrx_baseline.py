@@ -13,7 +13,7 @@ import pytest
 from hp.chaos.baselines import nvrx_bench
 from hp.chaos.bench_recovery import BenchConfig
 from hp.checkpointless.events import read_events
-from hp.core.testing import kill_tagged, tagged_pids
+from hp.testing import kill_tagged, tagged_pids
 from nvidia_resiliency_ext import inprocess
 
 

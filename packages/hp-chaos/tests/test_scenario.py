@@ -12,7 +12,7 @@ from hp.chaos.faults.base import ScenarioError
 from hp.chaos.faults.process import ResumeHung, SignalAt
 from hp.chaos.scenario import load_scenario, parse_scenario
 from hp.core.plugins import list_backends
-from hp.core.testing import HP, replaced
+from hp.testing import HP, replaced
 
 GOOD = {
     "name": "kill-rank-in-allreduce",

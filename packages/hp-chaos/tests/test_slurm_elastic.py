@@ -1,5 +1,5 @@
 """An elastic hp job following a real Slurm (issue #15): ``hp slurm submit`` on a local Slurm of four fake
-nodes (munged, slurmctld, four slurmd; hp.core.slurm_cluster), driven only through Slurm: another tenant's
+nodes (munged, slurmctld, four slurmd; hp.testing.slurm_cluster), driven only through Slurm: another tenant's
 job leaving (grow 2 -> 4), a high-priority job preempting the units (4 -> 2 within the grace time), that job
 ending (back to 4), a node set DOWN (4 -> 3); both shrinks at a step boundary, though Slurm signals every
 process of a step. No Slurm command is mocked and no hp process is signalled by the test. Exact mode: every step's loss and every rank's final weights and optimizer state must equal a

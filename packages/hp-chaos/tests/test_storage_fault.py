@@ -13,7 +13,7 @@ import urllib.request
 
 import pytest
 from hp.chaos.faults.storage import StorageOutage, StorageServer
-from hp.core.testing import free_port, wait_for
+from hp.testing import free_port, wait_for
 
 
 def answers(url: str) -> bool | str:

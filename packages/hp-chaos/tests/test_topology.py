@@ -113,7 +113,7 @@ def test_kill_node_kills_every_process_of_that_node_only():
     with Topology(2) as topo:
         victim = topo.run_in(1, ["bash", "-c", tree])
         bystander = topo.run_in(0, ["bash", "-c", tree])
-        from hp.core.testing import wait_for
+        from hp.testing import wait_for
         wait_for(lambda: len(topo.pids(1)) == 3 and len(topo.pids(0)) == 3, 10, "processes")
         assert topo.kill_node(1) == 3
         assert victim.wait(timeout=5) == -9

@@ -11,7 +11,7 @@ from hp.chaos.launch import JobRun
 from hp.chaos.runner import evaluate, goodput, write_result
 from hp.chaos.scenario import parse_scenario
 from hp.checkpointless.demo.run import RunResult
-from hp.core.testing import HP
+from hp.testing import HP
 from PIL import Image
 
 GEN = 1

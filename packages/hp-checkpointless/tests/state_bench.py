@@ -66,7 +66,7 @@ if __name__ == "__main__":
     if len(sys.argv) > 2:
         rank_main(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]))
     else:
-        from hp.core.testing import free_port
+        from hp.testing import free_port
 
         port, mb = free_port(), int(sys.argv[1]) if len(sys.argv) > 1 else 100
         procs = [subprocess.Popen([sys.executable, __file__, str(r), str(port), str(mb)], env=os.environ)

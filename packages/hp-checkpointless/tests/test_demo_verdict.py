@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from hp.checkpointless.demo.run import DemoConfig, run_demo
-from hp.core.testing import kill_tagged
+from hp.testing import kill_tagged
 
 
 @pytest.mark.timeout(280)

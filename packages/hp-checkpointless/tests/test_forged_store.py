@@ -24,7 +24,7 @@ from hp.core.protocol import (
     FINISHED_KEY, GENERATION_KEY, STATE_NBYTES_KEY, Plan, SpareAssignment, plan_key, spare_id, spare_key,
 )
 from hp.core.signed_values import seal
-from hp.core.testing import kill_tagged, wait_for
+from hp.testing import kill_tagged, wait_for
 
 STEPS, AT = 10, 5
 TOKEN, OTHER = secrets.token_hex(32), secrets.token_hex(32)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 
 from hp.checkpointless.demo.run import DemoConfig, RunResult, compare, compare_state, run_job, sharded_parts
-from hp.core.testing import kill_tagged
+from hp.testing import kill_tagged
 
 STEPS, AT, NPROC = 10, 5, 4
 HSDP, FSDP = ["--hsdp", "2"], ["--fsdp"]

@@ -23,7 +23,7 @@ from hp.core.protocol import (
     FINISHED_KEY, GENERATION_KEY, STATE_NBYTES_KEY, Plan, SpareAssignment, arrive_prefix, plan_key, spare_key,
 )
 from hp.core.signed_values import Refusals, seal, sealing
-from hp.core.testing import wait_for
+from hp.testing import wait_for
 
 
 def test_the_heartbeat_goes_on_while_the_store_does_not_answer(tmp_path):

@@ -11,7 +11,7 @@ import torch
 from hp.checkpointless.demo.run import DemoConfig, compare, compare_state, run_demo, run_job
 from hp.checkpointless.overlap import OverlappedMeanReduction
 from hp.core.errors import UsageError
-from hp.core.testing import kill_tagged
+from hp.testing import kill_tagged
 
 
 class Work:

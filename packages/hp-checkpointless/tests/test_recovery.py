@@ -16,7 +16,7 @@ from hp.checkpointless.demo.run import DemoConfig, RunResult, compare, compare_s
 from hp.checkpointless.events import finished_at, read_events
 from hp.core import auth
 from hp.core.control_plane import request_finish
-from hp.core.testing import free_port, kill_tagged, wait_for
+from hp.testing import free_port, kill_tagged, wait_for
 from hp.core.warm_start import python_command
 
 STEPS, AT = 10, 5

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from hp.checkpointless import state as st
-from hp.core.testing import free_port
+from hp.testing import free_port
 from hp.core.warm_start import python_command
 
 WORKER = Path(__file__).with_name("state_worker.py")

@@ -31,7 +31,7 @@ import torch
 
 from hp.checkpointless.demo.run import RunResult, compare
 from hp.checkpointless.events import read_events
-from hp.core.testing import kill_tagged
+from hp.testing import kill_tagged
 
 WORKER = Path(__file__).with_name("transaction_worker.py")
 STEPS, AT = 10, 5

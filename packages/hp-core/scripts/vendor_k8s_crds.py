@@ -1,4 +1,4 @@
-"""Re-vendor the CRD schemas under hp/core/k8s/crds/ from upstream CRD YAML files (run by hand).
+"""Re-vendor the CRD schemas under hp/core/schedulers/k8s/crds/ from upstream CRD YAML files (run by hand).
 
     python packages/hp-core/scripts/vendor_k8s_crds.py KIND=VERSION=FILE.yaml ...
 
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import yaml
 
-OUT = Path(__file__).resolve().parents[1] / "src" / "hp" / "core" / "k8s" / "crds"
+OUT = Path(__file__).resolve().parents[1] / "src" / "hp" / "core" / "schedulers" / "k8s" / "crds"
 SUBSCHEMAS = ("items", "additionalProperties", "not")
 SCHEMA_LISTS = ("allOf", "anyOf", "oneOf")
 

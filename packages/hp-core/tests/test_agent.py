@@ -8,7 +8,7 @@ import signal
 
 from pathlib import Path
 
-from hp.core.testing import pids, wait_for
+from hp.testing import pids, wait_for
 
 WORKERS = Path(__file__).parent / "workers"
 MARKER = str(WORKERS / "marker_worker.py")

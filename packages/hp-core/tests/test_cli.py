@@ -8,7 +8,7 @@ import subprocess
 
 import pytest
 
-from hp.core.testing import HP
+from hp.testing import HP
 
 
 def hp(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:

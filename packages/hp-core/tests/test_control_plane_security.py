@@ -22,7 +22,7 @@ from hp.core.controller import Controller, ControllerConfig
 from hp.core.errors import ControlPlaneError
 from hp.core.protocol import JobState
 from hp.core.services import NodeContext
-from hp.core.testing import HP, free_port
+from hp.testing import HP, free_port
 
 TOKEN = "k" * 64
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from dockerfile_parse import DockerfileParser
 
-from hp.core.k8s.manifest import DEFAULT_IMAGE, IMAGE_NAME, IMAGE_TAG, RUN_AS_UID
+from hp.core.schedulers.k8s.manifest import DEFAULT_IMAGE, IMAGE_NAME, IMAGE_TAG, RUN_AS_UID
 
 REPO = Path(__file__).resolve().parents[3]
 DOCKERFILE = REPO / "docker" / "Dockerfile"
@@ -136,4 +136,4 @@ def test_the_build_context_holds_what_the_install_needs():
     for path in (".venv/bin/python", "results/demo.json", "packages/hp-core/src/hp/core/__pycache__/a.pyc"):
         assert _excluded(path, rules), path
     # the vendored CRDs are package data of hp-core: they must reach the image too
-    assert not _excluded("packages/hp-core/src/hp/core/k8s/crds/jobset.x-k8s.io_jobsets_v1alpha2.json", rules)
+    assert not _excluded("packages/hp-core/src/hp/core/schedulers/k8s/crds/jobset.x-k8s.io_jobsets_v1alpha2.json", rules)

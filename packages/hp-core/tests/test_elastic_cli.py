@@ -12,7 +12,7 @@ from importlib.metadata import entry_points
 
 import pytest
 
-from hp.core.testing import HP, free_port
+from hp.testing import HP, free_port
 
 
 def hp(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:

@@ -23,7 +23,7 @@ import torch.distributed as dist
 
 from hp.core import get_backend
 from hp.core.errors import UsageError
-from hp.core.testing import HP, listening_addresses
+from hp.testing import HP, listening_addresses
 
 from hp.core import etcd_store  # noqa: E402
 

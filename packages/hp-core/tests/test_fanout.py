@@ -25,7 +25,7 @@ from hp.core.protocol import (
     spare_key,
 )
 from hp.core.signed_values import seal, sealing, unseal
-from hp.core.testing import wait_for
+from hp.testing import wait_for
 
 TOKEN = "e" * 64
 

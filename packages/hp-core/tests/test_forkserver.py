@@ -14,7 +14,7 @@ import pytest
 from torch.distributed.elastic.multiprocessing import Std
 
 from hp.core import fork_context, forkserver
-from hp.core.testing import wait_for
+from hp.testing import wait_for
 from hp.core.workers import python_command
 from hp.core.warm_start import resolve
 
@@ -145,7 +145,7 @@ def test_nothing_the_agent_started_outlives_it_a_plain_script_stuck_at_exit_incl
     wait_for(lambda: all((tmp_path / f"started{r}").exists() for r in range(2)), what="2 workers to start")
     server = _forkserver_of(resolve(job.proc.pid))  # the agent, forked warm or not
     tag = f"HP_TEST_DIR={tmp_path}"
-    from hp.core.testing import tagged_pids
+    from hp.testing import tagged_pids
 
     started = set(tagged_pids(tag))
     assert server in started and len(started) >= 5, started  # agent, server, tracker, 2 workers

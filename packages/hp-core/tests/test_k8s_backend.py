@@ -21,10 +21,10 @@ import pytest
 
 from hp.core import get_backend
 from hp.core.errors import UsageError
-from hp.core.k8s import schemas
-from hp.core.k8s.backend import KubernetesError, KubernetesScheduler, parse_handle
-from hp.core.k8s.manifest import ManifestConfig
-from hp.core.testing import fake_kubernetes_api
+from hp.core.schedulers.k8s import schemas
+from hp.core.schedulers.k8s.backend import KubernetesError, KubernetesScheduler, parse_handle
+from hp.core.schedulers.k8s.manifest import ManifestConfig
+from hp.testing import fake_kubernetes_api
 
 K8S_VERSION = "1.36.0"
 DATA = Path(__file__).parent / "data" / "k8s_watch"

@@ -1,4 +1,4 @@
-"""Contract tests of `hp k8s manifest` / hp.core.k8s.manifest: no API server runs here, so every generated
+"""Contract tests of `hp k8s manifest` / hp.core.schedulers.k8s.manifest: no API server runs here, so every generated
 object is checked against the schemas an API server would check it with: Kubernetes' own (kubernetes-validate,
 strict, two versions) for core and RBAC kinds and for the Job and pod templates inside JobSets and Volcano
 Jobs, the vendored CRDs' openAPIV3Schema (jsonschema, strict fields) for the custom kinds; core and RBAC kinds
@@ -22,8 +22,8 @@ import yaml
 from kubernetes.client import ApiClient
 
 from hp.core import cli
-from hp.core.k8s import schemas
-from hp.core.k8s.manifest import WRAPPER, ManifestConfig, manifests, watch_args
+from hp.core.schedulers.k8s import schemas
+from hp.core.schedulers.k8s.manifest import WRAPPER, ManifestConfig, manifests, watch_args
 
 K8S_VERSIONS = ("1.31.0", "1.36.0")  # kubernetes-validate 1.37.0 bundles 1.25 .. 1.37; JobSet and native
                                      # sidecars (the watcher's restartPolicy: Always init container) need >= 1.29
@@ -358,7 +358,7 @@ def test_a_named_service_account_gets_the_sidecar_and_no_rbac(capsys):
 
 def test_the_cli_defaults_are_the_configs():
     args = cli.build_parser().parse_args(["k8s", "manifest", "--name", "demo", "train.py"])
-    from hp.core.k8s.cli import config_from_args
+    from hp.core.schedulers.k8s.cli import config_from_args
 
     cfg = config_from_args(args)
     assert (cfg.watch, cfg.not_ready_grace_s) == (True, 10.0) == (ManifestConfig.watch, ManifestConfig.not_ready_grace_s)

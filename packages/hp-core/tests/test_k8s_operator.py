@@ -29,8 +29,8 @@ from http.server import BaseHTTPRequestHandler
 
 import kubernetes_validate
 import pytest
-from hp.core.k8s.manifest import ManifestConfig, worker_pod_template
-from hp.core.testing import fake_kubernetes_api
+from hp.core.schedulers.k8s.manifest import ManifestConfig, worker_pod_template
+from hp.testing import fake_kubernetes_api
 
 K8S_VERSION = "1.36.0"
 JOB = "demo"
@@ -171,8 +171,8 @@ def test_a_watch_goes_on_from_its_last_resource_version_and_from_scratch_after_4
     """The real client's watches against the fake: a watch that ends (its own timeoutSeconds) is opened
     again from the last resourceVersion seen, so nothing is sent twice; one told 410 Gone (its version
     compacted away) is opened again without one, and every object comes again as ADDED."""
-    from hp.core.k8s import operator
-    from hp.core.k8s.backend import KubernetesScheduler
+    from hp.core.schedulers.k8s import operator
+    from hp.core.schedulers.k8s.backend import KubernetesScheduler
 
     monkeypatch.setattr(operator, "STREAM_S", 1)
     monkeypatch.setattr(operator, "RETRY_S", (0.05, 0.1))
@@ -228,7 +228,7 @@ def test_the_watch_refuses_bad_input_in_one_line(tmp_path):
 
 def test_the_manifests_sidecar_command_is_one_hp_parses():
     from hp.core.cli import build_parser
-    from hp.core.k8s.manifest import watch_args
+    from hp.core.schedulers.k8s.manifest import watch_args
 
     args = build_parser().parse_args(watch_args(ManifestConfig(name=JOB, entrypoint="train.py")))
     assert (args.job, args.namespace, args.controller) == (JOB, "default", "$(HP_POD_IP):29400")
@@ -242,7 +242,7 @@ def test_a_node_not_ready_makes_the_job_go_on_without_it_at_once_bit_identical(w
     a fixed 2-rank run to the same step."""
     from hp.checkpointless.demo.run import RunResult, compare_state
     from hp.checkpointless.events import read_events
-    from hp.core.testing import free_port, kill_tagged, tagged_pids
+    from hp.testing import free_port, kill_tagged, tagged_pids
     from hp.elastic.demo.run import (
         POLICY,
         ElasticDemoConfig,

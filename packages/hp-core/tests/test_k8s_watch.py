@@ -1,4 +1,4 @@
-"""hp.core.k8s.watch.JobWatch replayed on recorded watch-event streams (tests/data/k8s_watch/*.jsonl).
+"""hp.core.schedulers.k8s.watch.JobWatch replayed on recorded watch-event streams (tests/data/k8s_watch/*.jsonl).
 
 The streams are hand-built in the API's wire format (no API server runs here: see the directory's README);
 each event's object is schema-validated before it is replayed, so a fixture the API could not have sent fails
@@ -13,8 +13,8 @@ from pathlib import Path
 import kubernetes_validate
 import pytest
 
-from hp.core.k8s import schemas
-from hp.core.k8s.watch import JobWatch, Phase, WatchEventError
+from hp.core.schedulers.k8s import schemas
+from hp.core.schedulers.k8s.watch import JobWatch, Phase, WatchEventError
 from hp.core.scaling import CAPACITY, FAILURE, PREEMPTION
 
 DATA = Path(__file__).parent / "data" / "k8s_watch"
@@ -168,7 +168,7 @@ def test_failure_decisions_name_the_pods_node_rank_and_uid():
     (lambda p: p["metadata"].update(annotations={"volcano.sh/task-index": "1"}), 3),
 ])
 def test_a_pods_node_rank_comes_from_the_pod_alone(change, rank):
-    from hp.core.k8s.watch import node_rank
+    from hp.core.schedulers.k8s.watch import node_rank
 
     pod = {"metadata": {"annotations": {"batch.kubernetes.io/job-completion-index": "1"}},
            "spec": {"containers": [{"name": "hp", "env": [{"name": "HP_RANK_OFFSET", "value": "2"}]}]}}
@@ -177,10 +177,10 @@ def test_a_pods_node_rank_comes_from_the_pod_alone(change, rank):
 
 
 def test_reactions_report_failures_and_retry_what_could_not_be_told():
-    from hp.core.k8s.operator import Reactions
-    from hp.core.k8s.watch import Decision, PodRef
+    from hp.core.schedulers.k8s.operator import Reactions
+    from hp.core.schedulers.k8s.watch import Decision, PodRef
     from hp.core.scaling import ScaleEvent
-    from hp.core.scheduler import Capacity
+    from hp.core.schedulers.api import Capacity
 
     answers, calls, said = [False, True, True], [], []
 

@@ -178,7 +178,7 @@ def test_hp_run_agents_join_again_when_the_controller_moves_during_the_rendezvou
     from pathlib import Path
 
     from hp.core.auth import TOKEN_ENV
-    from hp.core.testing import HP, wait_for
+    from hp.testing import HP, wait_for
 
     worker = Path(__file__).parent / "workers" / "allreduce_worker.py"
     with ReplicaSet(etcd_server.endpoint, TOKEN, n=1, nnodes=2, lease_s=1) as standalone:

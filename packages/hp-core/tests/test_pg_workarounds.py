@@ -20,7 +20,7 @@ from pathlib import Path
 from torch.distributed.elastic.multiprocessing import Std
 
 from hp.core import forkserver
-from hp.core.testing import free_port
+from hp.testing import free_port
 from hp.core.workers import python_command
 
 SCRIPT = """

@@ -11,8 +11,9 @@ import pytest
 from torchx import specs
 
 from hp.core import get_backend
-from hp.core.scheduler import Capacity, LocalScheduler
-from hp.core.testing import kill_tagged, wait_for
+from hp.core.schedulers.api import Capacity
+from hp.core.schedulers.local import LocalScheduler
+from hp.testing import kill_tagged, wait_for
 
 TX_MARKER = Path(__file__).parent / "workers" / "tx_marker.py"
 

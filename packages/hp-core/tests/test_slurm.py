@@ -1,5 +1,5 @@
-"""The ``slurm`` scheduler backend (hp.core.slurm, issue #15) against a real Slurm: munged, slurmctld and
-three slurmd as fake nodes (hp.core.slurm_cluster), partitions ``low`` (requeued when preempted, 5 s of
+"""The ``slurm`` scheduler backend (hp.core.schedulers.slurm.backend, issue #15) against a real Slurm: munged, slurmctld and
+three slurmd as fake nodes (hp.testing.slurm_cluster), partitions ``low`` (requeued when preempted, 5 s of
 grace) and ``high``. No Slurm command is mocked."""
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ from torchx import specs
 
 from hp.core import get_backend
 from hp.core.errors import BackendUnavailableError
-from hp.core.slurm import SlurmError, SlurmScheduler
-from hp.core.slurm_cluster import LocalSlurm
-from hp.core.testing import wait_for
+from hp.core.schedulers.slurm.backend import SlurmError, SlurmScheduler
+from hp.testing.slurm_cluster import LocalSlurm
+from hp.testing import wait_for
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +58,7 @@ def test_capacity_is_the_partitions_idle_nodes_and_their_cpus(slurm):
 def test_a_job_runs_on_its_nodes_sees_them_as_its_hosts_and_is_cancelled(slurm, tmp_path):
     sched = SlurmScheduler(slurm.env)
     probe = tmp_path / "probe.json"
-    code = ("import json; from hp.core.slurm import SlurmScheduler as S; s = S(); "
+    code = ("import json; from hp.core.schedulers.slurm.backend import SlurmScheduler as S; s = S(); "
             f"json.dump({{'hosts': s.hosts(), 'hosts_capacity': s.capacity().hosts}}, open({str(probe)!r}, 'w')); "
             "import time; time.sleep(300)")
     job = sched.submit_script(_script(f"{sys.executable} -c \"{code}\""), "-p", "low", "-N", "2", "-o", "/dev/null")

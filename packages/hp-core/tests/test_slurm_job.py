@@ -1,4 +1,4 @@
-"""``hp slurm``'s job spec, scripts and unit keeper (hp.core.slurm_job, hp.core.slurm_units), without a Slurm:
+"""``hp slurm``'s job spec, scripts and unit keeper (hp.core.schedulers.slurm.job, hp.core.schedulers.slurm.units), without a Slurm:
 the keeper is a pure state machine driven here by hand. The whole path on a real Slurm is
 hp-chaos's test_slurm_elastic.py."""
 
@@ -13,10 +13,10 @@ import sys
 import pytest
 
 from hp.core.errors import UsageError
-from hp.core.slurm import SlurmJob
-from hp.core.slurm_job import (SPEC_FILE, TOKEN_FILE, SlurmJobSpec, agent_argv, base_script, base_steps, prepare,
+from hp.core.schedulers.slurm.backend import SlurmJob
+from hp.core.schedulers.slurm.job import (SPEC_FILE, TOKEN_FILE, SlurmJobSpec, agent_argv, base_script, base_steps, prepare,
                                unit_script)
-from hp.core.slurm_units import FailedUnits, Slot, UnitKeeper
+from hp.core.schedulers.slurm.units import FailedUnits, Slot, UnitKeeper
 
 TOKEN = "ab" * 16
 

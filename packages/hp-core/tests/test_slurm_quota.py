@@ -1,5 +1,5 @@
-"""Quotas from Slurm QOS limits (hp.core.slurm_quota, issue #15): the arithmetic without Slurm, then
-against a real Slurm with accounting (MariaDB + slurmdbd, hp.core.slurm_accounting) enforcing the limits."""
+"""Quotas from Slurm QOS limits (hp.core.schedulers.slurm.quota, issue #15): the arithmetic without Slurm, then
+against a real Slurm with accounting (MariaDB + slurmdbd, hp.testing.slurm_accounting) enforcing the limits."""
 
 from __future__ import annotations
 
@@ -10,11 +10,11 @@ import sys
 
 import pytest
 
-from hp.core.slurm import SlurmError, SlurmJob, SlurmScheduler
-from hp.core.slurm_accounting import set_qos
-from hp.core.slurm_cluster import LocalSlurm
-from hp.core.slurm_quota import QosLimits, quota_hosts
-from hp.core.testing import wait_for
+from hp.core.schedulers.slurm.backend import SlurmError, SlurmJob, SlurmScheduler
+from hp.testing.slurm_accounting import set_qos
+from hp.testing.slurm_cluster import LocalSlurm
+from hp.core.schedulers.slurm.quota import QosLimits, quota_hosts
+from hp.testing import wait_for
 
 
 def _job(job_id: str, nodes: int, state: str = "RUNNING", qos: str = "q", user: str = "me") -> SlurmJob:

@@ -19,7 +19,7 @@ from torchx import specs
 from torchx.specs.builders import materialize_appdef
 
 from hp.core import auth
-from hp.core.testing import free_port, kill_tagged
+from hp.testing import free_port, kill_tagged
 from hp.core.torchx_component import run as hp_run
 
 BIN = Path(sys.executable).parent

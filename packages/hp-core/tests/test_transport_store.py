@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 from hp.core import generation_prefix, get_backend
-from hp.core.testing import listening_addresses
+from hp.testing import listening_addresses
 from hp.core.transport import EFA_ENV_DEFAULTS, NcclTransport
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from hp.core.protocol import WARM_START_ENV
-from hp.core.testing import HP, tagged_pids, wait_for
+from hp.testing import HP, tagged_pids, wait_for
 from hp.core.warm_server import INTERPRETER_ENV
 from hp.core.warm_start import python_command, resolve
 

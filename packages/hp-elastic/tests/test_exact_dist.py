@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hp.core import testing
+from hp import testing
 from hp.elastic.exact import exact_mean
 
 # pytest runs with --import-mode=importlib: the tests directory is not on sys.path, load the cases by path

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from hp.core.errors import UsageError
-from hp.core import testing
+from hp import testing
 from hp.elastic import exact
 from hp.elastic.exact import ExactReduction, NonFiniteGradientError, dequantize, exact_mean, quantize, scale_shift
 

@@ -20,7 +20,7 @@ import pytest
 from hp.checkpointless.events import finished_at, read_events
 from hp.checkpointless.sampler import StepSampler
 from hp.core import auth
-from hp.core.testing import finish_when, free_port, kill_tagged
+from hp.testing import finish_when, free_port, kill_tagged
 from hp.elastic import ScalingPolicy
 from hp.elastic.demo.run import events_went_through
 

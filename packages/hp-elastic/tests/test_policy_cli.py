@@ -8,7 +8,7 @@ import subprocess
 
 import pytest
 
-from hp.core.testing import HP, free_port
+from hp.testing import HP, free_port
 
 GOOD = {"min_replicas": "1", "max_replicas": "2", "global_batch": "8", "micro_batch": "2"}
 

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from hp.core.auth import new_token
-from hp.core.testing import HP, free_port, wait_for
+from hp.testing import HP, free_port, wait_for
 from hp.core.warm_start import python_command
 from hp.tiered_ckpt.client import DaemonClient
 from hp.tiered_ckpt.wire import ADMIN_KEY_FILE, read_admin_key

@@ -61,7 +61,7 @@ def test_ls_verify_gc_on_url_and_daemon(daemons, token, tmp_path, monkeypatch, h
     import torch
 
     from hp.tiered_ckpt import TieredConfig, api
-    from hp.core.testing import wait_for
+    from hp.testing import wait_for
 
     monkeypatch.setenv("HP_JOB_TOKEN", token)
     node = daemons("node0", replicas=0, via_hp_cli=True)  # `hp ckpt daemon` itself

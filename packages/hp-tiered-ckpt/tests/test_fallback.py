@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hp.core.testing import HP, wait_for
+from hp.testing import HP, wait_for
 from hp.tiered_ckpt import CheckpointCorruptError, TieredConfig, api, fmt
 
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from hp.core.auth import new_token
-from hp.core.testing import Launched, free_port, kill_tagged
+from hp.testing import Launched, free_port, kill_tagged
 from hp.tiered_ckpt.service import ring_peers
 
 WORKER = Path(__file__).parent / "workers" / "run_worker.py"

@@ -10,7 +10,7 @@ import socket
 import zlib
 from pathlib import Path
 
-from hp.core.testing import wait_for
+from hp.testing import wait_for
 from hp.tiered_ckpt import wire
 
 

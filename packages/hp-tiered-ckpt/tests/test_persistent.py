@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from hp.core.testing import wait_for
+from hp.testing import wait_for
 from hp.tiered_ckpt import fmt
 from hp.tiered_ckpt.persist import PersistentTier
 

@@ -41,7 +41,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -63,6 +62,7 @@ from hp.checkpointless.demo.run import (
 )
 from hp.checkpointless.events import read_events
 from hp.core.benchmeta import PIN_ENV, BenchRun, spread
+from hp.core.procs import free_port
 from hp.core.protocol import Event
 
 DEFINITION_VERSION = 2
@@ -104,11 +104,6 @@ class BenchConfig:
 def _log(msg: str) -> None:
     print(f"hp bench recovery: {msg}", file=sys.stderr, flush=True)
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _run(cmd: list[str], env: dict[str, str], timeout_s: float, log_path: str) -> tuple[int, float, str]:
@@ -271,7 +266,7 @@ def run_torchrun(cfg: BenchConfig, root: str, i: int) -> dict[str, Any]:
     log_dir = os.path.join(root, f"torchrun-dcp-{i}")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(cfg.nproc),
            "--max-restarts", "1", "--monitor-interval", "0.1",
-           "--master-addr", "127.0.0.1", "--master-port", str(_free_port()),
+           "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
            "-m", torchrun_dcp.MODULE, "--steps", str(cfg.steps), "--fault-step", str(cfg.fault_step),
            "--fault-rank", str(cfg.fault_rank), "--ckpt-every", str(cfg.ckpt_every), "--log-dir", log_dir,
            "--model-size", cfg.model_size, "--corpus-mb", str(cfg.corpus_mb), "--seed", str(cfg.seed),

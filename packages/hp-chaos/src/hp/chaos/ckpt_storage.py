@@ -20,7 +20,7 @@ import uuid
 from hp.chaos.faults.storage import StorageServer
 from hp.chaos.scenario import CheckpointSpec
 from hp.core import auth
-from hp.core.testing import HP, free_port
+from hp.core.procs import HP, free_port
 
 S3_TIMEOUT_S = "5"  # the daemon's S3 request timeout: a frozen endpoint is retried after this, not after 20 s
 

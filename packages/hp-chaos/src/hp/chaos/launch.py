@@ -45,7 +45,7 @@ from hp.checkpointless.demo.run import DemoConfig, RunResult, job_command
 from hp.checkpointless.events import EventLog, read_events
 from hp.core import auth
 from hp.core.protocol import Decision, Event
-from hp.core.testing import HP, free_port, kill_tagged
+from hp.core.procs import HP, free_port, kill_tagged, tagged_pids
 
 POLL_S = 0.02
 TAG_ENV = "HP_CHAOS_RUN"  # every process of a run inherits it: stragglers are found and killed by it
@@ -366,7 +366,7 @@ def run_job(job: JobSpec, log_dir: str, hp_faults: list[dict], actions: list[Act
         try:
             timed_out, errors = _watch(live, list(actions), start + job.timeout_s)
             if timed_out:  # where each process is stuck, while it still is
-                stacks = dump_stacks(_tagged(tag), log_dir)
+                stacks = dump_stacks(tagged_pids(f"{TAG_ENV}={tag}"), log_dir)
         finally:
             live.log.close()
             orphans = _reap(agents + ([controller] if controller else []), tag)
@@ -450,22 +450,8 @@ def _reap(agents: list[subprocess.Popen], tag: str) -> int:
                 os.killpg(a.pid, signal.SIGKILL)
         a.wait()
     deadline = time.monotonic() + 3.0  # let orphans of a dead agent notice on their own first
-    while _tagged(tag) and time.monotonic() < deadline:
+    while tagged_pids(f"{TAG_ENV}={tag}") and time.monotonic() < deadline:
         time.sleep(0.1)
-    left = len(_tagged(tag))
+    left = len(tagged_pids(f"{TAG_ENV}={tag}"))
     kill_tagged(f"{TAG_ENV}={tag}")
     return left
-
-
-def _tagged(tag: str) -> list[int]:
-    needle = f"{TAG_ENV}={tag}\0".encode()
-    found = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit() and int(entry) != os.getpid():
-            try:
-                with open(f"/proc/{entry}/environ", "rb") as f:
-                    if needle in f.read():
-                        found.append(int(entry))
-            except OSError:
-                pass
-    return found

@@ -1,6 +1,6 @@
-"""An elastic hp job following a real Slurm (:class:`hp.core.slurm_cluster.LocalSlurm`) through its scale events.
+"""An elastic hp job following a real Slurm (:class:`hp.testing.slurm_cluster.LocalSlurm`) through its scale events.
 
-The job is ``hp slurm submit`` (:mod:`hp.core.slurm_job`) of the elastic demo (exact mode, a constant
+The job is ``hp slurm submit`` (:mod:`hp.core.schedulers.slurm.job`) of the elastic demo (exact mode, a constant
 global batch): a base of ``min_nodes`` in partition ``high`` and one scaling unit per node above it in
 partition ``low``, one rank per node. Nothing here signals a process: Slurm does, and the run follows
 what Slurm decides.
@@ -15,7 +15,7 @@ what Slurm decides.
    its job and hp shrinks (``max`` → ``max - 1``); its new unit waits for a node that never comes back.
 
 With ``quota`` set, the cluster enforces QOS limits instead (MariaDB + slurmdbd,
-:mod:`hp.core.slurm_accounting`) and the job runs under a QOS that lets one user hold ``quota`` nodes:
+:mod:`hp.testing.slurm_accounting`) and the job runs under a QOS that lets one user hold ``quota`` nodes:
 it grows only to ``quota`` (the last unit pends, ``QOSMaxNodePerUserLimit``) and :meth:`capacity` says so;
 the quota is raised to ``max`` and the job grows into it (``quota`` → ``max``).
 
@@ -45,10 +45,10 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from typing import TYPE_CHECKING
 
-from hp.core.slurm import SlurmCli
-from hp.core.slurm_cluster import LocalSlurm
-from hp.core.slurm_job import SlurmJobSpec, submit
-from hp.core.testing import free_port
+from hp.core.schedulers.slurm.backend import SlurmCli
+from hp.testing.slurm_cluster import LocalSlurm
+from hp.core.schedulers.slurm.job import SlurmJobSpec, submit
+from hp.core.procs import free_port
 
 if TYPE_CHECKING:
     from hp.chaos.references import ReferenceCache
@@ -156,7 +156,7 @@ class _Run:
     def capacity(self) -> dict:
         """What the job's scheduler backend says (its base and units held, its QOS quota), and why the
         units that wait do."""
-        from hp.core.slurm import SlurmScheduler
+        from hp.core.schedulers.slurm.backend import SlurmScheduler
 
         names = [self.spec.job_name(), *(self.spec.job_name(s) for s in self.spec.unit_slots)]
         cap = SlurmScheduler(self.slurm.env, job_names=tuple(names), qos=QOS).capacity("low")
@@ -165,7 +165,7 @@ class _Run:
 
     def drive_quota(self) -> None:
         """The QOS scenario (module docstring): grow to the quota, then into the raised quota."""
-        from hp.core.slurm_accounting import set_qos
+        from hp.testing.slurm_accounting import set_qos
 
         cfg, quota = self.cfg, self.cfg.quota
         submit(self.spec, self.token, self.cli)
@@ -199,7 +199,7 @@ class _Run:
         if self.cfg.finish_after:
             from hp.core.control_plane import request_finish
             from hp.core.errors import ControlPlaneError
-            from hp.core.slurm_job import head_endpoint
+            from hp.core.schedulers.slurm.job import head_endpoint
 
             self.wait(f"{self.cfg.finish_after} steps at {world} before finishing",
                       lambda cs: sum(1 for t, _, w in cs if t > since and w == world) >= self.cfg.finish_after)
@@ -297,7 +297,7 @@ def run_slurm_elastic(cfg: SlurmElasticConfig, cache: ReferenceCache | None = No
         run = _Run(cfg, slurm, root, policy, train_argv(demo, policy))
         try:
             if cfg.quota:
-                from hp.core.slurm_accounting import set_qos
+                from hp.testing.slurm_accounting import set_qos
 
                 set_qos(run.cli, QOS, MaxTRESPerUser=f"node={cfg.quota}")
                 run.drive_quota()

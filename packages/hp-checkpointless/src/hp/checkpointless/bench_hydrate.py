@@ -77,7 +77,7 @@ class HydrateBenchConfig:
 
 def run(cfg: HydrateBenchConfig) -> dict[str, Any]:
     cfg.check()
-    from hp.core.testing import free_port
+    from hp.core.procs import free_port
 
     bench = BenchRun("hydrate", DEFINITION_VERSION)
     with tempfile.TemporaryDirectory(prefix="hp-bench-hydrate-") as tmp:

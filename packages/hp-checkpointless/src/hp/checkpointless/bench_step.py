@@ -108,7 +108,7 @@ def run(cfg: StepBenchConfig, log=lambda m: print(m, file=sys.stderr, flush=True
 
 def _job(cfg: StepBenchConfig, mode: str, out: Path) -> tuple[dict[str, list[float]], int]:
     """One ``hp run`` job of ``mode``: per step, the slowest rank's figures; the model's parameters."""
-    from hp.core.testing import free_port
+    from hp.core.procs import free_port
 
     out.mkdir()
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", PIN_ENV: "1"}

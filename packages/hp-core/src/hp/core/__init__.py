@@ -23,7 +23,7 @@ _EXPORTS = {
     "Verb": "hp.core.protocol", "arrive_prefix": "hp.core.protocol", "node_service_key": "hp.core.protocol",
     "plan_key": "hp.core.protocol", "spare_holder": "hp.core.protocol", "spare_id": "hp.core.protocol",
     "spare_key": "hp.core.protocol", "worker_holder": "hp.core.protocol",
-    "Capacity": "hp.core.scheduler", "SchedulerBackend": "hp.core.scheduler",
+    "Capacity": "hp.core.schedulers.api", "SchedulerBackend": "hp.core.schedulers.api",
     "StoreBackend": "hp.core.store", "StoreServer": "hp.core.store",
     "TransportBackend": "hp.core.transport", "generation_prefix": "hp.core.transport",
     "HealthCheck": "hp.core.health", "DeviceSlots": "hp.core.devices",
@@ -31,10 +31,10 @@ _EXPORTS = {
     "CONTROLLER_KEY": "hp.core.protocol", "ControllerReplica": "hp.core.leader", "LeaderResolver": "hp.core.leader",
     "Lease": "hp.core.leader", "StateKeeper": "hp.core.leader",
     "Relay": "hp.core.fanout", "Mirror": "hp.core.fanout",
-    "SlurmScheduler": "hp.core.slurm", "SlurmCli": "hp.core.slurm", "SlurmError": "hp.core.slurm",
-    "LocalSlurm": "hp.core.slurm_cluster", "FailureReport": "hp.core.node_failure",
-    "KubernetesScheduler": "hp.core.k8s.backend", "KubernetesError": "hp.core.k8s.backend",
-    "ManifestConfig": "hp.core.k8s.manifest", "JobWatch": "hp.core.k8s.watch",
+    "SlurmScheduler": "hp.core.schedulers.slurm.backend", "SlurmCli": "hp.core.schedulers.slurm.backend",
+    "SlurmError": "hp.core.schedulers.slurm.backend", "FailureReport": "hp.core.node_failure",
+    "KubernetesScheduler": "hp.core.schedulers.k8s.backend", "KubernetesError": "hp.core.schedulers.k8s.backend",
+    "ManifestConfig": "hp.core.schedulers.k8s.manifest", "JobWatch": "hp.core.schedulers.k8s.watch",
 }
 
 __all__ = sorted(_EXPORTS)

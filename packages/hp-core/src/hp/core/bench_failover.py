@@ -23,7 +23,7 @@ from datetime import timedelta
 from typing import Any
 
 from hp.core import auth
-from hp.core.testing import HP, free_port
+from hp.core.procs import HP, free_port
 
 
 class ReplicaSet:

@@ -100,7 +100,7 @@ def _rank(variant: str, rank: int, world: int, addr: tuple[str, int], job: str, 
 def _trial(variant: str, world: int, etcd_endpoint: tuple[str, int] | None, timeout_s: float) -> dict[str, Any]:
     """Fork ``world`` ranks, release them together, and time until every rank has formed the group."""
     from hp.core.store import TCPStoreBackend
-    from hp.core.testing import free_port
+    from hp.core.procs import free_port
 
     ctx = mp.get_context("fork")
     ready, go, results = ctx.Semaphore(0), ctx.Event(), ctx.SimpleQueue()

@@ -310,7 +310,7 @@ def _add_token(sub: argparse._SubParsersAction) -> None:
 
 
 def _add_k8s(sub: argparse._SubParsersAction) -> None:
-    from hp.core.k8s.cli import add_parser  # `hp k8s manifest`: no kubernetes client needed
+    from hp.core.schedulers.k8s.cli import add_parser  # `hp k8s manifest`: no kubernetes client needed
 
     add_parser(sub)
 

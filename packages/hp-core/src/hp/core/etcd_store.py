@@ -371,7 +371,7 @@ class EtcdServer:
         return self.dir / "etcd.log"
 
     def start(self, timeout: float = 30.0) -> EtcdServer:
-        from hp.core.testing import free_port
+        from hp.core.procs import free_port
 
         exe, fixed = etcd_binary(), self.port
         try:

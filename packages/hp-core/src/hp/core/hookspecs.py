@@ -20,7 +20,7 @@ import pluggy
 if TYPE_CHECKING:
     from hp.core.health import HealthCheck
     from hp.core.scaling import Scaler
-    from hp.core.scheduler import SchedulerBackend
+    from hp.core.schedulers.api import SchedulerBackend
     from hp.core.services import NodeService
     from hp.core.store import StoreBackend
     from hp.core.transport import TransportBackend
@@ -46,7 +46,7 @@ def hp_scheduler_backends() -> list[SchedulerBackend]:
     """Contribute schedulers (family ``scheduler``).
 
     A scheduler says where processes run and how capacity changes: host lists, capacity
-    signals, job submission and cancellation. See :class:`hp.core.scheduler.SchedulerBackend`.
+    signals, job submission and cancellation. See :class:`hp.core.schedulers.api.SchedulerBackend`.
 
     :return: a list of scheduler backend instances, each with a unique ``name``.
     """

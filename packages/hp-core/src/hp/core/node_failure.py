@@ -1,6 +1,6 @@
 """A scheduler telling the job's controller that a node failed: one mechanism for every backend.
 
-The Slurm base job (:mod:`hp.core.slurm_units`) and the Kubernetes watcher (:mod:`hp.core.k8s.operator`)
+The Slurm base job (:mod:`hp.core.schedulers.slurm.units`) and the Kubernetes watcher (:mod:`hp.core.schedulers.k8s.operator`)
 learn of a failed node before the controller's heartbeat timeout would: Slurm takes a node out of a job,
 Kubernetes reports a node NotReady or a pod gone. :class:`FailureReport` tells the controller
 (``node_failed``, as the operator: the job token), so the node's ranks go to spares, or an elastic job

@@ -46,7 +46,7 @@ from unittest.mock import patch
 from hp.core.auth import new_token
 from hp.core.benchmeta import BenchRun, spread
 from hp.core.errors import UsageError
-from hp.core.testing import free_port, wait_for
+from hp.core.procs import free_port, wait_for
 
 DEFINITION_VERSION = 2
 KEEP_MEMORY = 1  # the daemon keeps one complete step: two slots in rotation once warm

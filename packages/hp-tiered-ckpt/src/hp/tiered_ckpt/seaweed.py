@@ -17,7 +17,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from hp.core.testing import free_port
+from hp.core.procs import free_port
 
 
 def weed_binary() -> str:

@@ -88,7 +88,7 @@ from typing import Any
 
 from hp.chaos.baselines import train_elastic_torchrun as train
 from hp.chaos.bench_recovery import _phases, median_step
-from hp.core.testing import free_port, kill_tagged
+from hp.core.procs import free_port, kill_tagged
 
 EVENT_KINDS = ("kill", "grow", "preempt")
 TAG_VAR = "HP_ELASTIC_BASELINE_RUN"  # in every agent's and worker's environment: what cleanup kills

@@ -41,7 +41,7 @@ from hp.chaos.baselines import nvrx_train
 from hp.chaos.bench_recovery import _phases
 from hp.checkpointless.events import read_events
 from hp.core.protocol import Event
-from hp.core.testing import free_port, kill_tagged, tagged_pids
+from hp.core.procs import free_port, kill_tagged, tagged_pids
 
 # inprocess.Wrapper's defaults in nvidia-resiliency-ext 0.4.1, seconds
 DEFAULT_SETTINGS = {

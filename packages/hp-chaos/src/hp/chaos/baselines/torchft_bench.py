@@ -37,6 +37,7 @@ from typing import TYPE_CHECKING, Any
 
 from hp.chaos.baselines import torchft_ddp
 from hp.checkpointless.events import read_events
+from hp.core.procs import free_port
 from hp.core.protocol import Event
 
 if TYPE_CHECKING:
@@ -57,13 +58,6 @@ def available() -> str | None:
         return f"torchft does not import: {type(e).__name__}: {e}"
     return None
 
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _stop(procs: list[subprocess.Popen]) -> None:
@@ -125,7 +119,7 @@ def run_job(cfg: BenchConfig, log_dir: str, fault_step: int) -> tuple[list[int],
     try:
         for r in range(cfg.nproc):
             cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1", "--max-restarts", "1",
-                   "--monitor-interval", "0.1", "--master-addr", "127.0.0.1", "--master-port", str(_free_port()),
+                   "--monitor-interval", "0.1", "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
                    *args]
             procs.append(subprocess.Popen(cmd, env={**env, "REPLICA_GROUP_ID": str(r)}, stdout=logs[r],
                                           stderr=subprocess.STDOUT, start_new_session=True))

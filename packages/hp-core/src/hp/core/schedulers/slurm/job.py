@@ -1,7 +1,7 @@
 """An elastic hp job on Slurm (``hp slurm submit``): a base allocation plus scaling units.
 
 * **base**: one ``sbatch`` job of ``min_nodes`` nodes in ``base_partition`` (the high-priority one). Its
-  batch step runs ``hp slurm base SPEC`` on the allocation's first node (:mod:`hp.core.slurm_units`):
+  batch step runs ``hp slurm base SPEC`` on the allocation's first node (:mod:`hp.core.schedulers.slurm.units`):
   ``srun`` starts one ``hp run`` agent per node (node ranks ``0..min_nodes-1``; node 0 hosts the
   controller at the first node's ``NodeAddr`` and ``port``) and, while they run, one scaling unit is kept
   queued or running for every slot ``min_nodes..max_nodes-1``.
@@ -15,7 +15,7 @@
 Why hp resubmits a unit instead of letting Slurm requeue it (``PreemptMode=REQUEUE``): a unit whose
 ranks left within the grace time ends by itself, and Slurm records it COMPLETED, not requeued; a job
 requeued by ``scontrol requeue`` waits about 120 s (``BeginTime``) before it may start again (both seen
-on Slurm 22.05 with :class:`hp.core.slurm_cluster.LocalSlurm`).
+on Slurm 22.05 with :class:`hp.testing.slurm_cluster.LocalSlurm`).
 
 Everything a job's processes read is in ``job_dir`` (on a file system every node sees): ``spec.json``
 (this module's :class:`SlurmJobSpec`, JSON) and ``token`` (the job token), both 0600 in a 0700 directory;
@@ -34,7 +34,7 @@ from hp.core import auth
 from hp.core.config import check_name
 from hp.core.errors import UsageError
 from hp.core.privfs import open_private, private_dir
-from hp.core.slurm import SlurmCli, SlurmError
+from hp.core.schedulers.slurm.backend import SlurmCli, SlurmError
 
 SPEC_FILE, TOKEN_FILE = "spec.json", "token"
 HP = [sys.executable, "-m", "hp.core.cli"]  # the same interpreter on every node (a shared install)
@@ -169,7 +169,7 @@ def _sbatch_header(spec: SlurmJobSpec, slot: int | None, partition: str | None, 
 
 
 def base_script(spec: SlurmJobSpec) -> str:
-    """The base job: ``hp slurm base`` on its first node (:func:`hp.core.slurm_units.run_base`)."""
+    """The base job: ``hp slurm base`` on its first node (:func:`hp.core.schedulers.slurm.units.run_base`)."""
     return (_sbatch_header(spec, None, spec.base_partition, spec.min_nodes)
             + shlex.join([*HP, "slurm", "base", spec.path(SPEC_FILE)]) + "\n")
 

@@ -1,18 +1,15 @@
-"""Scheduler backends: where a job's processes run and how capacity changes.
+"""The scheduler contract: what every scheduler backend gives the agent and the controller.
 
 Schedulers that TorchX already drives (local_cwd, slurm, kubernetes) submit through TorchX's
 runner; hp adds what TorchX does not model: host lists and capacity signals for elastic decisions.
-``local`` is here; ``slurm`` is :mod:`hp.core.slurm`.
+Backends live one per module beside this one (:mod:`.local`, :mod:`.slurm`, :mod:`.k8s`) and register
+under the ``hp`` entry-point group like any third-party scheduler.
 """
 
 from __future__ import annotations
 
-import os
-import socket
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
-
-from hp.core.hookspecs import hookimpl
 
 if TYPE_CHECKING:
     from torchx.specs import AppDef, AppStatus
@@ -69,40 +66,3 @@ class SchedulerBackend:
         if self._runner is not None:
             self._runner.close()
             self._runner = None
-
-
-class LocalScheduler(SchedulerBackend):
-    """This host only; jobs are submitted with TorchX's ``local_cwd`` scheduler."""
-
-    name = "local"
-    torchx_scheduler = "local_cwd"
-
-    def hosts(self) -> list[str]:
-        return [socket.gethostname()]
-
-    def capacity(self, source: str | None = None) -> Capacity:
-        """``source``: a file holding the number of ranks the job may use (what a user or a test sets, so
-        every elastic path runs on one machine); missing or unreadable: no figure."""
-        import torch
-
-        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        return Capacity(hosts=1, slots_per_host=gpus or (os.cpu_count() or 1), replicas=_read_count(source))
-
-
-def _read_count(path: str | None) -> int | None:
-    if path is None:
-        return None
-    try:
-        with open(path, "rb") as f:
-            text = f.read(32).strip()  # a number of ranks: anything longer is not one
-    except OSError:
-        return None
-    return int(text) if text.isdigit() and len(text) <= 9 else None
-
-
-@hookimpl
-def hp_scheduler_backends() -> list[SchedulerBackend]:
-    from hp.core.k8s.backend import KubernetesScheduler  # the client itself is imported on first use
-    from hp.core.slurm import SlurmScheduler  # imports this module
-
-    return [LocalScheduler(), SlurmScheduler(), KubernetesScheduler()]

@@ -8,10 +8,10 @@ a job's state only through ``sacct`` (slurmdbd accounting) and reports PREEMPTED
 state from ``squeue`` instead (:meth:`SlurmScheduler.state`, :meth:`SlurmScheduler.wait`).
 
 Capacity (``source`` names the partition, else the job's own): the hosts the job could use now are the
-partition's idle nodes plus the nodes it holds, capped by its QOS quota (:mod:`hp.core.slurm_quota`,
+partition's idle nodes plus the nodes it holds, capped by its QOS quota (:mod:`hp.core.schedulers.slurm.quota`,
 where the cluster enforces limits); a pending job of a partition with a higher ``PriorityTier`` that
 shares nodes with this one is preemption on its way. An elastic job's base logs it as it changes
-(:func:`hp.core.slurm_units.run_base`); ``hp slurm capacity`` prints it.
+(:func:`hp.core.schedulers.slurm.units.run_base`); ``hp slurm capacity`` prints it.
 """
 
 from __future__ import annotations
@@ -27,8 +27,8 @@ from typing import TYPE_CHECKING
 
 from hp.core.config import check_name
 from hp.core.errors import BackendUnavailableError, UsageError
-from hp.core.scheduler import Capacity, SchedulerBackend
-from hp.core.slurm_quota import ALLOCATED, QOS_FORMAT, QosLimits, quota_hosts
+from hp.core.schedulers.api import Capacity, SchedulerBackend
+from hp.core.schedulers.slurm.quota import ALLOCATED, QOS_FORMAT, QosLimits, quota_hosts
 
 if TYPE_CHECKING:
     from torchx.specs import AppDef

@@ -4,7 +4,7 @@
 
 1. ``ConfigMap <name>-policy`` (elastic jobs): the ``ScalingPolicy`` YAML, mounted at :data:`POLICY_PATH`.
 2. ``watch`` on, no ``service_account``: the watcher's ``ServiceAccount``, ``Role``, ``RoleBinding``,
-   ``ClusterRole`` and ``ClusterRoleBinding`` (:mod:`hp.core.k8s.rbac`, which says what a named one needs).
+   ``ClusterRole`` and ``ClusterRoleBinding`` (:mod:`hp.core.schedulers.k8s.rbac`, which says what a named one needs).
 3. ``Service <name>-controller``: headless, so its DNS name resolves to the controller pod's IP. The
    controller tells agents its store's address (the ``--host`` it binds, the pod IP) and a random port:
    only a headless Service reaches that port.
@@ -46,8 +46,8 @@ from typing import Any
 import yaml
 
 from hp.core.config import check_name
-from hp.core.k8s import names
-from hp.core.k8s.names import K8sConfigError
+from hp.core.schedulers.k8s import names
+from hp.core.schedulers.k8s.names import K8sConfigError
 
 IMAGE_NAME = "hp"          # docker/Dockerfile's org.opencontainers.image.title
 IMAGE_TAG = "0.1.0"        # its org.opencontainers.image.version (hp-core's version)
@@ -233,7 +233,7 @@ def manifests(cfg: ManifestConfig) -> list[dict[str, Any]]:
     if cfg.scaling_policy is not None:
         out.append(_object("v1", "ConfigMap", f"{cfg.name}-policy", cfg, {"data": {POLICY_FILE: cfg.scaling_policy}}))
     if cfg.watch and cfg.service_account is None:
-        from hp.core.k8s.rbac import rbac_objects
+        from hp.core.schedulers.k8s.rbac import rbac_objects
 
         out += rbac_objects(cfg)
     out.append(_object("v1", "Service", f"{cfg.name}-controller", cfg, {"spec": {
@@ -244,7 +244,7 @@ def manifests(cfg: ManifestConfig) -> list[dict[str, Any]]:
     controller["metadata"]["labels"][ROLE_LABEL] = "controller"
     out.append(controller)
     if cfg.variant == "volcano":
-        from hp.core.k8s.volcano import volcano_job
+        from hp.core.schedulers.k8s.volcano import volcano_job
 
         out.append(volcano_job(cfg))
     elif cfg.split_elastic:
@@ -344,7 +344,7 @@ def _controller_spec(cfg: ManifestConfig) -> dict[str, Any]:
     container["readinessProbe"] = {"tcpSocket": {"port": CONTROL_PORT}, "periodSeconds": 5}
     spec = _pod_spec(cfg, container, cfg.base_priority_class, "OnFailure")
     if cfg.watch:
-        from hp.core.k8s.rbac import account_name
+        from hp.core.schedulers.k8s.rbac import account_name
 
         spec["initContainers"] = [_watch_container(cfg)]
         spec.setdefault("serviceAccountName", account_name(cfg.name))  # the user's, else rbac.py's

@@ -14,7 +14,7 @@ state        the newest job of the slot                                   the ke
 ===========  ==========================================================  ======================
 
 :func:`run_base` is the base job's batch step (``hp slurm base SPEC``): it starts the agents of the base
-nodes with ``srun`` (:func:`hp.core.slurm_job.base_steps`), keeps the units while they run (one
+nodes with ``srun`` (:func:`hp.core.schedulers.slurm.job.base_steps`), keeps the units while they run (one
 ``squeue --name`` a second for the whole job, not per rank), and cancels every unit when they are done,
 however they end. The base job runs with ``--no-kill``: when one of its nodes other than node 0 fails
 (Slurm takes it out of the job and kills its agent: its ranks are lost, the job goes on without them), the
@@ -35,8 +35,8 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 from hp.core.node_failure import FailureReport
-from hp.core.slurm import SlurmCli, SlurmError, SlurmJob, SlurmScheduler
-from hp.core.slurm_job import (
+from hp.core.schedulers.slurm.backend import SlurmCli, SlurmError, SlurmJob, SlurmScheduler
+from hp.core.schedulers.slurm.job import (
     SlurmJobSpec,
     base_steps,
     head_endpoint,

@@ -1,7 +1,7 @@
 """``hp k8s manifest``: print an hp job's Kubernetes objects (a YAML stream, or JSON), from flags.
 
 Nothing is sent anywhere and nothing is written but stdout: apply the output with ``kubectl apply -f -``
-(or submit it with :class:`hp.core.k8s.backend.KubernetesScheduler`). Bad input is one line on stderr and
+(or submit it with :class:`hp.core.schedulers.k8s.backend.KubernetesScheduler`). Bad input is one line on stderr and
 exit 2, with nothing on stdout. The job token is never printed: the pods read it from a Secret, and the
 ``kubectl`` line that creates it goes to stderr.
 """
@@ -15,8 +15,8 @@ import sys
 import yaml
 
 from hp.core.errors import UsageError
-from hp.core.k8s import watch_cli
-from hp.core.k8s.manifest import DEFAULT_IMAGE, VARIANTS, ManifestConfig, manifests
+from hp.core.schedulers.k8s import watch_cli
+from hp.core.schedulers.k8s.manifest import DEFAULT_IMAGE, VARIANTS, ManifestConfig, manifests
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -52,7 +52,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     a("--base-priority-class", default="hp-base", help="PriorityClass of the controller and the base group")
     a("--elastic-priority-class", default="hp-elastic", help="PriorityClass of the elastic group (lower)")
     a("--service-account", default=None, help="the pods' service account; with the watcher, the cluster's admin "
-                                                "gives it its rules (hp.core.k8s.rbac) and no RBAC object is printed")
+                                                "gives it its rules (hp.core.schedulers.k8s.rbac) and no RBAC object is printed")
     a("--no-watch", action="store_true", help="no `hp k8s watch` sidecar beside the controller, and no RBAC objects: "
                                               "the job learns of lost pods from heartbeats alone")
     a("--not-ready-grace", type=float, default=10.0, metavar="SECONDS",

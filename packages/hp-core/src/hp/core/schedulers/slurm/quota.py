@@ -1,6 +1,6 @@
 """Quotas from Slurm QOS limits: how many nodes an elastic hp job may hold now (pure; no Slurm here).
 
-An elastic job on Slurm is several Slurm jobs (a base and one-node units, :mod:`hp.core.slurm_job`), all
+An elastic job on Slurm is several Slurm jobs (a base and one-node units, :mod:`hp.core.schedulers.slurm.job`), all
 under one QOS. The limits that bound how far it can grow are those that count nodes or running jobs:
 
 ==================  ==========================  ===============================================
@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from hp.core.slurm import SlurmJob
+    from hp.core.schedulers.slurm.backend import SlurmJob
 
 QOS_FORMAT = "format=Name,GrpTRES,MaxTRESPU,MaxJobsPU"  # sacctmgr -nP show qos NAME QOS_FORMAT
 ALLOCATED = frozenset({"RUNNING", "CONFIGURING", "COMPLETING", "SUSPENDED"})  # holding nodes

@@ -2,16 +2,16 @@
 
 Everything goes through the official ``kubernetes`` client (hp-core's ``kubernetes`` extra): ``CoreV1Api``
 for the ConfigMap, ServiceAccount, Service and controller Pod, ``RbacAuthorizationV1Api`` for the watcher's
-Role, RoleBinding, ClusterRole and ClusterRoleBinding (:mod:`hp.core.k8s.rbac`), ``CustomObjectsApi`` for
+Role, RoleBinding, ClusterRole and ClusterRoleBinding (:mod:`hp.core.schedulers.k8s.rbac`), ``CustomObjectsApi`` for
 the JobSet or Volcano Job and for Kueue's LocalQueues and Workloads. Configuration, first that applies: an
 ``api_client`` given, the in-cluster service account (``KUBERNETES_SERVICE_HOST``), ``kubeconfig`` (else
 ``$KUBECONFIG`` or ``~/.kube/config``).
 
-``submit`` takes a :class:`hp.core.k8s.manifest.ManifestConfig` (an ``AppDef`` goes to TorchX's
+``submit`` takes a :class:`hp.core.schedulers.k8s.manifest.ManifestConfig` (an ``AppDef`` goes to TorchX's
 ``kubernetes`` scheduler, a Volcano job of TorchX's shape), checks the namespace, the Kueue LocalQueue and the
 token Secret exist, creates the objects in order and deletes what it created if one is refused. Its handle
 is ``kubernetes://NAMESPACE/VARIANT/NAME``. ``capacity`` and ``hosts`` list the job's Pods, the Nodes and the
-Workloads and fold them through :class:`hp.core.k8s.watch.JobWatch`, the same decisions a watch gives.
+Workloads and fold them through :class:`hp.core.schedulers.k8s.watch.JobWatch`, the same decisions a watch gives.
 """
 
 from __future__ import annotations
@@ -22,12 +22,12 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from hp.core.errors import BackendUnavailableError
-from hp.core.k8s import names
-from hp.core.k8s.manifest import JOB_LABEL, ROLE_LABEL, VARIANTS, ManifestConfig, manifests
-from hp.core.k8s.names import K8sConfigError
-from hp.core.k8s.rbac import object_names
-from hp.core.k8s.watch import JobWatch
-from hp.core.scheduler import Capacity, SchedulerBackend
+from hp.core.schedulers.k8s import names
+from hp.core.schedulers.k8s.manifest import JOB_LABEL, ROLE_LABEL, VARIANTS, ManifestConfig, manifests
+from hp.core.schedulers.k8s.names import K8sConfigError
+from hp.core.schedulers.k8s.rbac import object_names
+from hp.core.schedulers.k8s.watch import JobWatch
+from hp.core.schedulers.api import Capacity, SchedulerBackend
 
 if TYPE_CHECKING:
     from torchx.specs import AppDef

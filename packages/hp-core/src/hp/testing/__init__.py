@@ -1,4 +1,6 @@
-"""Helpers for tests that launch real ``hp`` processes (used by every hp package's tests)."""
+"""Helpers for tests that launch real ``hp`` processes (used by every hp package's tests; no shipped module
+imports them). The process plumbing that hp's harnesses also need (the ``hp`` command, processes found by their
+environment tag, a free port, a bounded wait) is :mod:`hp.core.procs`, re-exported here."""
 
 from __future__ import annotations
 
@@ -9,17 +11,17 @@ import os
 import signal
 import socket
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+from hp.core.procs import HP, free_port, kill_tagged, tagged_pids, wait_for
 from hp.core.warm_start import python_command
 
-HP = [sys.executable, "-m", "hp.core.cli"]
-
+__all__ = ["HP", "Launched", "fake_kubernetes_api", "finish_when", "free_port", "kill_tagged", "listening_addresses",
+           "pids", "replaced", "run_ranks", "tagged_pids", "wait_for"]
 
 class Launched:
     """A real `hp ...` process in its own session, killed with its children at teardown."""
@@ -55,30 +57,6 @@ class Launched:
             self.proc.communicate()
 
 
-def tagged_pids(tag: str) -> list[int]:
-    """Every live process (but this one) whose environment holds ``tag``."""
-    needle, found = tag.encode() + b"\0", []
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit() or int(entry.name) == os.getpid():
-            continue
-        try:
-            if needle in (entry / "environ").read_bytes():
-                found.append(int(entry.name))
-        except OSError:
-            pass
-    return found
-
-
-def kill_tagged(tag: str) -> None:
-    """SIGKILL every process whose environment holds ``tag``: workers live in sessions of their
-    own, so killing the agent's process group alone could leave them behind."""
-    for pid in tagged_pids(tag):
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-
-
 def replaced(raw: dict, path: str, value: Any) -> dict:
     """A deep copy of ``raw`` with the value at a dotted path (``faults.1.duration_s``) replaced;
     ``...`` deletes it. For bad-input tests of nested configs."""
@@ -94,16 +72,6 @@ def replaced(raw: dict, path: str, value: Any) -> dict:
     else:
         node[last] = value
     return raw
-
-
-def wait_for(predicate, timeout: float = 60, what: str = "condition") -> None:
-    """Poll ``predicate`` until true; a generous bound that only catches hangs."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.05)
-    raise AssertionError(f"timed out after {timeout} s waiting for {what}")
 
 
 def finish_when(proc: subprocess.Popen, endpoint: str, token: str, done: Callable[[], bool], timeout: float,
@@ -123,12 +91,6 @@ def pids(tmp_path: Path, rank: int) -> list[int]:
     """PIDs recorded by the test marker worker for ``rank``, oldest first."""
     f = tmp_path / f"rank{rank}.pids"
     return [int(x) for x in f.read_text().split()] if f.exists() else []
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def run_ranks(argv: list[str], world: int, timeout_s: float, what: str, env: dict[str, str] | None = None) -> None:

@@ -16,24 +16,29 @@ module                     one idea
 ========================== ============================================================================
 
 Names are imported on first use: nothing here imports the ``kubernetes`` client until a backend talks to
-a cluster.
+a cluster. This module is the backend's entry point (``hp`` group).
 """
 
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+from hp.core.hookspecs import hookimpl
+
+if TYPE_CHECKING:
+    from hp.core.schedulers.api import SchedulerBackend
 
 _EXPORTS = {
-    "K8sConfigError": "hp.core.k8s.names",
-    "ManifestConfig": "hp.core.k8s.manifest", "manifests": "hp.core.k8s.manifest", "DEFAULT_IMAGE": "hp.core.k8s.manifest",
-    "volcano_job": "hp.core.k8s.volcano",
-    "SchemaError": "hp.core.k8s.schemas",
-    "JobWatch": "hp.core.k8s.watch", "Phase": "hp.core.k8s.watch", "Decision": "hp.core.k8s.watch",
-    "WatchEventError": "hp.core.k8s.watch", "PodRef": "hp.core.k8s.watch",
-    "Reactions": "hp.core.k8s.operator",
-    "KubernetesScheduler": "hp.core.k8s.backend", "KubernetesError": "hp.core.k8s.backend",
-    "parse_handle": "hp.core.k8s.backend",
+    "K8sConfigError": "hp.core.schedulers.k8s.names",
+    "ManifestConfig": "hp.core.schedulers.k8s.manifest", "manifests": "hp.core.schedulers.k8s.manifest", "DEFAULT_IMAGE": "hp.core.schedulers.k8s.manifest",
+    "volcano_job": "hp.core.schedulers.k8s.volcano",
+    "SchemaError": "hp.core.schedulers.k8s.schemas",
+    "JobWatch": "hp.core.schedulers.k8s.watch", "Phase": "hp.core.schedulers.k8s.watch", "Decision": "hp.core.schedulers.k8s.watch",
+    "WatchEventError": "hp.core.schedulers.k8s.watch", "PodRef": "hp.core.schedulers.k8s.watch",
+    "Reactions": "hp.core.schedulers.k8s.operator",
+    "KubernetesScheduler": "hp.core.schedulers.k8s.backend", "KubernetesError": "hp.core.schedulers.k8s.backend",
+    "parse_handle": "hp.core.schedulers.k8s.backend",
 }
 
 __all__ = sorted(_EXPORTS)
@@ -41,5 +46,12 @@ __all__ = sorted(_EXPORTS)
 
 def __getattr__(name: str) -> Any:
     if name not in _EXPORTS:
-        raise AttributeError(f"module 'hp.core.k8s' has no attribute {name!r}")
+        raise AttributeError(f"module 'hp.core.schedulers.k8s' has no attribute {name!r}")
     return getattr(importlib.import_module(_EXPORTS[name]), name)
+
+
+@hookimpl
+def hp_scheduler_backends() -> list[SchedulerBackend]:
+    from hp.core.schedulers.k8s.backend import KubernetesScheduler  # the client itself is imported on first use
+
+    return [KubernetesScheduler()]

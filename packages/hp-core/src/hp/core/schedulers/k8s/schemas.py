@@ -35,7 +35,7 @@ def crd(api_version: str, kind: str) -> dict[str, Any]:
         name = CRDS[(api_version, kind)]
     except KeyError:
         raise SchemaError(f"no vendored schema for {api_version} {kind}") from None
-    return json.loads(resources.files("hp.core.k8s").joinpath("crds", name).read_text(encoding="utf-8"))
+    return json.loads(resources.files("hp.core.schedulers.k8s").joinpath("crds", name).read_text(encoding="utf-8"))
 
 
 def strict(schema: Any) -> Any:

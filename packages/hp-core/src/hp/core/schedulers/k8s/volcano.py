@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from hp.core.k8s.manifest import (
+from hp.core.schedulers.k8s.manifest import (
     BASE, ELASTIC, JOB_LABEL, VOLCANO_INDEX_ANNOTATION, ManifestConfig, group_size, worker_pod_template,
 )
 

@@ -1,8 +1,8 @@
 """``hp k8s watch``: a running hp job acting on what Kubernetes says about its pods and nodes.
 
-It runs beside ``hp controller`` (a native sidecar of the controller pod, :func:`hp.core.k8s.manifest.watch_args`)
+It runs beside ``hp controller`` (a native sidecar of the controller pod, :func:`hp.core.schedulers.k8s.manifest.watch_args`)
 and keeps three watches open on the API server: the job's worker Pods (label selector), the Nodes and, where
-Kueue is installed, the namespace's Workloads. Every event goes through :class:`hp.core.k8s.watch.JobWatch`,
+Kueue is installed, the namespace's Workloads. Every event goes through :class:`hp.core.schedulers.k8s.watch.JobWatch`,
 the pure state machine that turns them into scale decisions; :class:`Reactions` acts on those:
 
 ================  ==================================================================================
@@ -37,9 +37,9 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from hp.core.k8s.backend import KUEUE, KubernetesScheduler
-from hp.core.k8s.manifest import JOB_LABEL, ROLE_LABEL
-from hp.core.k8s.watch import Decision, JobWatch, WatchEventError
+from hp.core.schedulers.k8s.backend import KUEUE, KubernetesScheduler
+from hp.core.schedulers.k8s.manifest import JOB_LABEL, ROLE_LABEL
+from hp.core.schedulers.k8s.watch import Decision, JobWatch, WatchEventError
 from hp.core.scaling import FAILURE
 
 TICK_S = 0.5  # JobWatch.tick (a node's NotReady grace ending) and reports to retry, at least this often

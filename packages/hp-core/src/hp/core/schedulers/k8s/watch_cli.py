@@ -1,5 +1,5 @@
 """``hp k8s watch``: the controller pod's sidecar that acts on the job's Kubernetes events
-(:mod:`hp.core.k8s.operator`). Bad input is one line on stderr and exit 2, before any watch opens; SIGTERM
+(:mod:`hp.core.schedulers.k8s.operator`). Bad input is one line on stderr and exit 2, before any watch opens; SIGTERM
 (the pod ending) stops it with exit 0."""
 
 from __future__ import annotations
@@ -28,9 +28,9 @@ def _watch(args: argparse.Namespace) -> int:
     from hp.core.commands import read_token
     from hp.core.config import parse_endpoint
     from hp.core.errors import UsageError
-    from hp.core.k8s import names
-    from hp.core.k8s.backend import KubernetesScheduler
-    from hp.core.k8s.operator import Reactions, run
+    from hp.core.schedulers.k8s import names
+    from hp.core.schedulers.k8s.backend import KubernetesScheduler
+    from hp.core.schedulers.k8s.operator import Reactions, run
     from hp.core.node_failure import FailureReport
 
     names.dns_label(args.job, "--job")

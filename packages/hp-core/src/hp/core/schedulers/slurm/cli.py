@@ -1,4 +1,4 @@
-"""``hp slurm``: run an elastic hp job on Slurm (:mod:`hp.core.slurm_job`, :mod:`hp.core.slurm_units`).
+"""``hp slurm``: run an elastic hp job on Slurm (:mod:`hp.core.schedulers.slurm.job`, :mod:`hp.core.schedulers.slurm.units`).
 
     hp slurm submit --nnodes 2:4 --scaling-policy policy.yaml --base-partition high --unit-partition low \\
         --job-dir /shared/jobs/run1 -- -m hp.elastic.demo.train --exact
@@ -20,8 +20,8 @@ from hp.core.hookspecs import hookimpl
 
 
 def _submit(args: argparse.Namespace) -> int:
-    from hp.core.slurm import SlurmCli
-    from hp.core.slurm_job import SlurmJobSpec, submit
+    from hp.core.schedulers.slurm.backend import SlurmCli
+    from hp.core.schedulers.slurm.job import SlurmJobSpec, submit
 
     low, high = parse_nnodes(args.nnodes)
     entrypoint = args.entrypoint[1:] if args.entrypoint[:1] == ["--"] else args.entrypoint
@@ -41,9 +41,9 @@ def _submit(args: argparse.Namespace) -> int:
 
 
 def _base(args: argparse.Namespace) -> int:
-    from hp.core.slurm import SlurmCli
-    from hp.core.slurm_job import SlurmJobSpec
-    from hp.core.slurm_units import run_base
+    from hp.core.schedulers.slurm.backend import SlurmCli
+    from hp.core.schedulers.slurm.job import SlurmJobSpec
+    from hp.core.schedulers.slurm.units import run_base
 
     job_id, nodelist = os.environ.get("SLURM_JOB_ID"), os.environ.get("SLURM_JOB_NODELIST")
     if not job_id or not nodelist:
@@ -52,7 +52,7 @@ def _base(args: argparse.Namespace) -> int:
 
 
 def _agent(args: argparse.Namespace) -> int:
-    from hp.core.slurm_job import SlurmJobSpec, agent_argv
+    from hp.core.schedulers.slurm.job import SlurmJobSpec, agent_argv
 
     spec = SlurmJobSpec.load(args.spec)
     parse_endpoint(args.endpoint)
@@ -74,8 +74,8 @@ def _capacity(args: argparse.Namespace) -> int:
     from dataclasses import asdict
 
     from hp.core.config import check_name
-    from hp.core.slurm import SlurmScheduler
-    from hp.core.slurm_job import job_name
+    from hp.core.schedulers.slurm.backend import SlurmScheduler
+    from hp.core.schedulers.slurm.job import job_name
 
     names = tuple(job_name(check_name(args.run_id, "--run-id"), slot) for slot in (None, *range(args.max_nodes))) \
         if args.run_id else ()

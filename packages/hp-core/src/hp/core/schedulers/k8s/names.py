@@ -1,6 +1,6 @@
 """Checks for the strings that become Kubernetes object names, label values, quantities and images.
 
-Everything a user passes to :mod:`hp.core.k8s.manifest` that ends up in an object's name, a label, a
+Everything a user passes to :mod:`hp.core.schedulers.k8s.manifest` that ends up in an object's name, a label, a
 path or a resource quantity is checked here first, with the API server's own rules (apimachinery's
 ``IsDNS1123Label``, ``IsDNS1123Subdomain``, ``IsQualifiedName``, label values, ``resource.Quantity``),
 so a bad value is one line from ``hp k8s manifest`` instead of a 422 from the cluster. Stdlib only.

@@ -4,7 +4,7 @@
 (``{"type": "ADDED"|"MODIFIED"|"DELETED"|"ERROR", "object": {...}}``): the job's Pods, the cluster's Nodes
 and Kueue's Workloads. From them it keeps what the Slurm backend reads from ``squeue``/``sinfo`` and
 answers with the same contracts: :class:`hp.core.scaling.ScaleEvent` decisions and a
-:class:`hp.core.scheduler.Capacity`.
+:class:`hp.core.schedulers.api.Capacity`.
 
 ============================================================== ===============================================
 observed                                                       decision
@@ -33,11 +33,11 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from hp.core.k8s.manifest import (
+from hp.core.schedulers.k8s.manifest import (
     GROUP_LABEL, JOB_INDEX_ANNOTATION, JOB_LABEL, ROLE_LABEL, VOLCANO_INDEX_ANNOTATION,
 )
 from hp.core.scaling import CAPACITY, FAILURE, PREEMPTION, ScaleEvent
-from hp.core.scheduler import Capacity
+from hp.core.schedulers.api import Capacity
 
 EVENT_TYPES = frozenset({"ADDED", "MODIFIED", "DELETED", "ERROR", "BOOKMARK"})
 EVICTED_CONDITIONS = ("Evicted", "Preempted")

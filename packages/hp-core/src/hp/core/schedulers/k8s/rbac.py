@@ -1,7 +1,7 @@
 """The RBAC objects of one hp job: what the controller pod's ``hp k8s watch`` sidecar may read, and nothing more.
 
 The watcher lists and watches the job's Pods, the cluster's Nodes and the namespace's Kueue Workloads
-(:class:`hp.core.k8s.watch.JobWatch`'s three streams). :func:`rbac_objects` returns, in apply order, the
+(:class:`hp.core.schedulers.k8s.watch.JobWatch`'s three streams). :func:`rbac_objects` returns, in apply order, the
 objects that allow it, for a job with ``watch`` on and no ``service_account``:
 
 1. ``ServiceAccount <name>-watch``: the controller pod's ``serviceAccountName``. Worker pods mount no
@@ -24,8 +24,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from hp.core.k8s import names
-from hp.core.k8s.manifest import JOB_LABEL, ManifestConfig
+from hp.core.schedulers.k8s import names
+from hp.core.schedulers.k8s.manifest import JOB_LABEL, ManifestConfig
 
 RBAC_API = "rbac.authorization.k8s.io"
 NAMESPACE_LABEL = "hp.dev/namespace"  # on the cluster-scoped objects: which namespace's job they serve
