@@ -65,3 +65,25 @@ def test_hp_with_a_misspelt_plugin_installed_says_so_in_one_line(tmp_path):
     assert done.stderr.count("\n") == 1
     assert done.stderr.startswith("hp: error: plugin typo_hp_plugin (typo-hp-plugin): ")
     assert "unknown hook 'hp_cli_comands'" in done.stderr
+
+
+def test_a_familys_backends_are_built_once_per_plugin_manager_and_each_scheduler_is_its_own_entry_point():
+    built = []
+
+    class Counted:
+        name = "counted"
+
+        def __init__(self) -> None:
+            built.append(self)
+
+    pm = make_plugin_manager((plugin("counted_plugin", hp_scheduler_backends=lambda: [Counted()]),))
+    from hp.core.plugins import get_backend, list_backends
+
+    first = get_backend("scheduler", "counted", pm)
+    assert get_backend("scheduler", "counted", pm) is first and backends("scheduler", pm)["counted"] is first
+    list_backends(pm)
+    assert len(built) == 1  # the agent looks its scheduler up at every heartbeat: it is built once
+    other = backends("scheduler", make_plugin_manager((plugin("again", hp_scheduler_backends=lambda: [Counted()]),)))
+    assert other["counted"] is not first and len(built) == 2  # another manager builds its own
+    names = {impl.plugin_name: impl.plugin.__name__ for impl in pm.hook.hp_scheduler_backends.get_hookimpls()}
+    assert {"hp.core.schedulers.local", "hp.core.schedulers.slurm", "hp.core.schedulers.k8s"} <= set(names.values())

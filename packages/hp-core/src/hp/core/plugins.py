@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import weakref
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -91,10 +92,23 @@ def _dist_of(pm: pluggy.PluginManager, plugin: object) -> str:
     return "(registered at run time)"
 
 
+# Each family's backends, built once per plugin manager: a lookup (the agent asks for its scheduler at every
+# heartbeat) returns the same objects. Backends hold no per-job state; one configured otherwise (a scheduler
+# for another cluster, a client with other credentials) is constructed directly, not looked up.
+_BUILT: weakref.WeakKeyDictionary[pluggy.PluginManager, dict[str, list[tuple[Any, str]]]] = weakref.WeakKeyDictionary()
+
+
 def _collect(pm: pluggy.PluginManager, family: str) -> list[tuple[Any, str]]:
-    """Every backend of ``family`` with the distribution that contributed it."""
+    """Every backend of ``family`` with the distribution that contributed it (built on the first call)."""
     if family not in FAMILY_HOOKS:
         raise UnknownBackendError("plugin family", family, list(FAMILY_HOOKS))
+    built = _BUILT.setdefault(pm, {})
+    if family not in built:
+        built[family] = _build(pm, family)
+    return built[family]
+
+
+def _build(pm: pluggy.PluginManager, family: str) -> list[tuple[Any, str]]:
     name = FAMILY_HOOKS[family]
     plugins = [impl.plugin for impl in getattr(pm.hook, name).get_hookimpls()]
     found: list[tuple[Any, str]] = []
