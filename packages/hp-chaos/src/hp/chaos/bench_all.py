@@ -131,4 +131,6 @@ def format_table(r: dict[str, Any]) -> str:
         lines.append(f"  {name:10} {'ok' if b.get('completed') else 'FAILED'}"
                      f"{f'  ({wall:.0f} s)' if wall is not None else ''}"
                      f"{'  definition v' + str(b['definition_version']) if 'definition_version' in b else ''}")
+        if not b.get("completed") and b.get("error_tail"):  # a failure says why, not only that it failed
+            lines += [f"    | {line}" for line in b["error_tail"].strip().splitlines()[-8:]]
     return "\n".join(lines)

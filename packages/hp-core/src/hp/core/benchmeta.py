@@ -119,8 +119,13 @@ def module_main(argv: list[str] | None, prog: str, doc: str, add_arguments: Any,
 
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--worker"]:
-        worker(argv[1:])
-        return 0
+        worker(argv[1:])  # its results are written and its group destroyed when it returns
+        # Leave without the interpreter's teardown: C++ static destructors at exit() can find a torch thread
+        # still joinable and abort (SIGABRT, "terminate called without an active exception"), which turned a
+        # finished rank into a failed benchmark under load (bench exact's rank 1 in a fresh-clone suite run).
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
     p = argparse.ArgumentParser(prog=prog, description=doc.splitlines()[0])
     add_arguments(p)
     try:
