@@ -1,4 +1,4 @@
-"""Kubernetes for hp jobs: manifests (JobSet or Volcano, Kueue labels), the ``kubernetes`` scheduler backend
+"""Kubernetes for hp jobs: manifests (JobSet or Volcano, Kueue labels), the ``kubernetes`` scheduler backend,
 the pure fold of watch events into scale decisions, and the watcher that acts on them in a running job.
 
 ========================== ============================================================================
