@@ -129,7 +129,45 @@ def test_names_are_their_lower_case_strings_on_the_wire():
 def test_the_protocol_loads_neither_the_controller_nor_torch():
     code = "import hp.core.protocol, sys; print(sorted(m for m in sys.modules if m.startswith(('hp.', 'torch'))))"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
-    assert out.strip() == "['hp.core', 'hp.core.errors', 'hp.core.protocol']"
+    assert out.strip() == "['hp.core', 'hp.core.errors', 'hp.core.protocol', 'hp.core.worker_env']"
+
+
+def _worker_env(**kw):
+    from hp.core.worker_env import WorkerEnv
+
+    base = dict(generation=3, world_size=4, local_rank=1, local_world_size=2, node_rank=1, nnodes=2,
+                store_host="10.0.0.1", store_port=29500, run_id="job", token="s3cret" * 6, rank=3, holder="r3.0",
+                log_dir="/tmp/logs", heartbeat_file="/tmp/hb", agent_pid=42, max_restarts=2)
+    return WorkerEnv(**{**base, **kw})
+
+
+def test_the_worker_environment_reads_back_what_the_agent_wrote_with_torchruns_names():
+    from hp.core.worker_env import WorkerEnv
+
+    w = _worker_env()
+    env = w.to_env()
+    assert WorkerEnv.from_env(env) == w
+    assert (env["RANK"], env["LOCAL_RANK"], env["GROUP_RANK"], env["TORCHELASTIC_MAX_RESTARTS"]) == ("3", "1", "1", "2")
+    spare = _worker_env(rank=-1, spare_id="n1s0", holder="spare.n1s0")
+    senv = spare.to_env()
+    assert "RANK" not in senv and senv["HP_ROLE"] == "spare" and WorkerEnv.from_env(senv) == spare
+    assert "s3cret" not in repr(w)  # the token never prints
+
+
+@pytest.mark.parametrize("change, says", [
+    ({"RANK": None}, "missing RANK"), ({"MASTER_PORT": None, "HP_GENERATION": None}, "missing HP_GENERATION, MASTER_PORT"),
+    ({"WORLD_SIZE": "four"}, "malformed"),
+])
+def test_a_process_not_started_by_hp_run_gets_one_line(change, says):
+    from hp.core.errors import UsageError
+    from hp.core.worker_env import WorkerEnv
+
+    env = _worker_env().to_env()
+    for k, v in change.items():
+        env.pop(k) if v is None else env.__setitem__(k, v)
+    with pytest.raises(UsageError, match=says) as e:
+        WorkerEnv.from_env(env)
+    assert "\n" not in str(e.value)
 
 
 def test_a_finishing_plan_says_so_and_others_leave_the_field_out():

@@ -49,7 +49,8 @@ from itertools import pairwise
 from hp.chaos.multinode import recovery_after
 from hp.checkpointless.demo.run import DemoConfig, RunResult, differing_steps, job_command
 from hp.checkpointless.events import read_events
-from hp.core.benchmeta import PIN_ENV, BenchRun, spread
+from hp.core.benchmeta import BenchRun, spread
+from hp.core.devices import PIN_ENV
 from hp.core.protocol import Decision, Event
 
 DEFINITION_VERSION = 2

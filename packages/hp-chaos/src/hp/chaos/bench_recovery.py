@@ -30,7 +30,7 @@ F+1 itself is new work. **recovery_s** = fault -> every rank back in the loop wi
 ``to_next_step_s`` is theirs, and ``all_ranks_back_s`` says when the restarted group committed again.
 
 Fairness: every rank has a core of its own (``--nproc 2`` on 2 cores by default, each rank pinned
-with :func:`hp.core.benchmeta.pin_to_core`, one intra-op thread): ranks that share cores finish a
+with :func:`hp.core.devices.pin_to_core`, one intra-op thread): ranks that share cores finish a
 step faster while another idles (a rank streaming state to a replacement, say), which no one with an
 accelerator per rank would see. Each variant is faulted ``repeats`` times (>= 3), the variants
 interleaved so that drift in the machine's load hits all; figures are medians with min and max.
@@ -61,7 +61,8 @@ from hp.checkpointless.demo.run import (
     sharded_parts,
 )
 from hp.checkpointless.events import read_events
-from hp.core.benchmeta import PIN_ENV, BenchRun, spread
+from hp.core.benchmeta import BenchRun, spread
+from hp.core.devices import PIN_ENV
 from hp.core.procs import free_port
 from hp.core.protocol import Event
 

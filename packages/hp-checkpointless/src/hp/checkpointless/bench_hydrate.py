@@ -113,7 +113,7 @@ def run(cfg: HydrateBenchConfig) -> dict[str, Any]:
 def _worker(rank: int, port: int, out: Path, cfg: HydrateBenchConfig) -> None:
     from datetime import timedelta
 
-    from hp.core.benchmeta import pin_to_core
+    from hp.core.devices import pin_to_core
 
     pin_to_core(rank)
     import torch

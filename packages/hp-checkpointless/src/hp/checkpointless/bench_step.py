@@ -41,7 +41,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from hp.core.benchmeta import PIN_ENV, BenchRun, module_main, report, spread
+from hp.core.benchmeta import BenchRun, module_main, report, spread
+from hp.core.devices import PIN_ENV
 from hp.core.errors import UsageError
 
 MODES = ("hp", "hp_overlap", "ddp", "fsdp", "hp_fsdp")
@@ -128,7 +129,7 @@ def _job(cfg: StepBenchConfig, mode: str, out: Path) -> tuple[dict[str, list[flo
 
 # ---- the ranks ------------------------------------------------------------------------------------
 def _worker(mode: str, out: Path, cfg: StepBenchConfig) -> None:
-    from hp.core.benchmeta import pin_to_core
+    from hp.core.devices import pin_to_core
 
     pin_to_core(int(os.environ["RANK"]))
     import torch

@@ -38,7 +38,7 @@ from hp.checkpointless.microbatch import micro_batch_seed
 from hp.checkpointless.sampler import StepLoader
 from hp.checkpointless.transaction import StepTransaction
 from hp.core.auth import TOKEN_ENV
-from hp.core.benchmeta import pin_to_core
+from hp.core.devices import pin_to_core
 from hp.core.control_plane import ControlClient
 from hp.core.errors import UsageError
 from hp.core.fanout import Mirror

@@ -27,7 +27,7 @@ _EXPORTS = {
     "StoreBackend": "hp.core.store", "StoreServer": "hp.core.store",
     "TransportBackend": "hp.core.transport", "generation_prefix": "hp.core.transport",
     "HealthCheck": "hp.core.health", "DeviceSlots": "hp.core.devices",
-    "WorkerContext": "hp.core.worker",
+    "WorkerContext": "hp.core.worker", "WorkerEnv": "hp.core.worker_env",
     "CONTROLLER_KEY": "hp.core.protocol", "ControllerReplica": "hp.core.leader", "LeaderResolver": "hp.core.leader",
     "Lease": "hp.core.leader", "StateKeeper": "hp.core.leader",
     "Relay": "hp.core.fanout", "Mirror": "hp.core.fanout",

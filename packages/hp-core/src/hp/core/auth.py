@@ -24,8 +24,8 @@ import threading
 import time
 
 from hp.core.errors import UsageError
+from hp.core.worker_env import TOKEN_ENV  # noqa: F401  (its one definition)
 
-TOKEN_ENV = "HP_JOB_TOKEN"
 SIGNATURE_HEADER = "X-HP-Signature"
 NODE_HEADER = "X-HP-Node"  # the identity whose key signed the request (see node_key)
 RESPONSE_SIGNATURE_HEADER = "X-HP-Response-Signature"

@@ -69,7 +69,7 @@ def _rank(variant: str, rank: int, world: int, addr: tuple[str, int], job: str, 
         import torch
         import torch.distributed as dist
 
-        from hp.core.benchmeta import pin_to_core
+        from hp.core.devices import pin_to_core
         from hp.core.plugins import get_backend
 
         pin_to_core(rank)

@@ -25,9 +25,6 @@ from collections.abc import Iterable
 from importlib import metadata
 from typing import Any
 
-PIN_ENV = "HP_PIN_CORES"  # "1": a rank pins itself to core (rank mod usable cores)
-_USABLE = sorted(os.sched_getaffinity(0))  # before any pin: a renumbered rank re-pins within these
-
 
 def spread(values: Iterable[float | None]) -> dict[str, Any] | None:
     """Median, min, max, n and the values themselves (None entries dropped; None when none is left)."""
@@ -79,19 +76,6 @@ class BenchRun:
                 "machine": machine(),
                 "load_avg": {"before": list(self.load_before), "after": list(os.getloadavg())},
                 "bench_wall_s": time.monotonic() - self.started}
-
-
-def pin_to_core(rank: int, env: dict[str, str] | None = None) -> int | None:
-    """Pin this process to one core, ``rank`` modulo the cores it may use, when ``HP_PIN_CORES=1``.
-
-    Returns the core, or None when pinning is off. Torch's intra-op pool follows the process's
-    affinity only for threads started later, so call it before the first torch op (or set
-    ``OMP_NUM_THREADS=1``, as every multi-rank launcher here does)."""
-    if (env if env is not None else os.environ).get(PIN_ENV) != "1":
-        return None
-    core = _USABLE[rank % len(_USABLE)]
-    os.sched_setaffinity(0, {core})
-    return core
 
 
 def report(result: dict[str, Any], table: str, args: Any) -> int:

@@ -8,9 +8,30 @@ spares n..n+s-1; a slot is free again once the process holding it is gone for go
 restarted in place: the restarted process keeps it). More processes than slots get new ones (on CPU
 nothing is bound to a slot; on a GPU node that is one process too many, which the transport's device
 check reports).
+
+With ``HP_PIN_CORES=1`` each rank also pins itself to one CPU core (:func:`pin_to_core`): so that no rank
+gains from another's idle time when several share a small host (benchmarks, the fair runs of the chaos harness).
 """
 
 from __future__ import annotations
+
+import os
+
+PIN_ENV = "HP_PIN_CORES"  # "1": a rank pins itself to core (rank mod usable cores)
+_USABLE = sorted(os.sched_getaffinity(0))  # before any pin: a renumbered rank re-pins within these
+
+
+def pin_to_core(rank: int, env: dict[str, str] | None = None) -> int | None:
+    """Pin this process to one core, ``rank`` modulo the cores it may use, when ``HP_PIN_CORES=1``.
+
+    Returns the core, or None when pinning is off. Torch's intra-op pool follows the process's
+    affinity only for threads started later, so call it before the first torch op (or set
+    ``OMP_NUM_THREADS=1``, as every multi-rank launcher here does)."""
+    if (env if env is not None else os.environ).get(PIN_ENV) != "1":
+        return None
+    core = _USABLE[rank % len(_USABLE)]
+    os.sched_setaffinity(0, {core})
+    return core
 
 
 class DeviceSlots:

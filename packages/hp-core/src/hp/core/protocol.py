@@ -29,6 +29,7 @@ from enum import Enum
 from typing import Any
 
 from hp.core.errors import HpError
+from hp.core.worker_env import AGENT_PID_ENV, NODE_INCARNATION_ENV, SCALING_POLICY_ENV, WorkerEnv  # noqa: F401
 
 if sys.version_info >= (3, 11):
     from enum import StrEnum
@@ -100,14 +101,8 @@ class ArriveOutcome(StrEnum):
 RESIZES = frozenset({"shrink", "grow", "preempt", "scale"})
 
 
-# what the scheduler calls this run of a node (Kubernetes: the pod's uid, from the downward API), told to the
-# controller when the agent joins: a report that an earlier run of the node failed never hits this one
-NODE_INCARNATION_ENV = "HP_NODE_INCARNATION"
-# the environment variable through which ``hp run --scaling-policy FILE`` tells its workers the policy file
-SCALING_POLICY_ENV = "HP_SCALING_POLICY"
-# the agent's pid, in its workers' environment: a SIGTERM from anyone else is the agent's to act on
-# (hp.core.worker_signals)
-AGENT_PID_ENV = "HP_AGENT_PID"
+# the worker environment's names (NODE_INCARNATION_ENV, SCALING_POLICY_ENV, AGENT_PID_ENV) and its typed
+# contract live in hp.core.worker_env, re-exported here
 # the socket of a warm-start server (hp.core.warm_start): ``hp run`` has its agent forked from there
 WARM_START_ENV = "HP_WARM_START"
 

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from datetime import timedelta
 
 from hp.core.errors import UsageError
+from hp.core.worker_env import WorkerEnv
 
 
 @dataclass(frozen=True)
@@ -29,18 +30,13 @@ class WorkerContext:
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] = os.environ) -> WorkerContext:
-        missing = [k for k in ("RANK", "WORLD_SIZE", "HP_GENERATION", "MASTER_ADDR", "MASTER_PORT") if k not in env]
-        if missing:
-            raise UsageError(f"not started by `hp run` (missing {', '.join(missing)})")
-        return cls(
-            rank=int(env["RANK"]), local_rank=int(env.get("LOCAL_RANK", "0")),
-            world_size=int(env["WORLD_SIZE"]), local_world_size=int(env.get("LOCAL_WORLD_SIZE", "1")),
-            node_rank=int(env.get("HP_NODE_RANK", "0")), generation=int(env["HP_GENERATION"]),
-            run_id=env.get("HP_RUN_ID", ""), transport=env.get("HP_TRANSPORT", "gloo"),
-            store=env.get("HP_STORE", "tcp"),
-            store_host=env["MASTER_ADDR"], store_port=int(env["MASTER_PORT"]),
-            controller=env.get("HP_CONTROLLER", ""),
-        )
+        w = WorkerEnv.from_env(env)
+        if w.rank < 0:
+            raise UsageError("a hot spare has no rank until it is promoted: WorkerContext is for workers")
+        return cls(rank=w.rank, local_rank=w.local_rank, world_size=w.world_size,
+                   local_world_size=w.local_world_size, node_rank=w.node_rank, generation=w.generation,
+                   run_id=w.run_id, transport=w.transport, store=w.store, store_host=w.store_host,
+                   store_port=w.store_port, controller=w.controller)
 
     @property
     def device(self) -> str:

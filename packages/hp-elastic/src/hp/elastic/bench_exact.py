@@ -33,7 +33,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from hp.core.benchmeta import PIN_ENV, BenchRun, module_main, pin_to_core, report
+from hp.core.benchmeta import BenchRun, module_main, report
+from hp.core.devices import PIN_ENV, pin_to_core
 from hp.core.errors import UsageError
 
 MODES = ("float", "exact")

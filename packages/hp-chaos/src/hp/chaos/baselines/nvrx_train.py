@@ -82,7 +82,7 @@ class Job:
 
 
 def _pin(rank: int) -> None:
-    from hp.core.benchmeta import pin_to_core
+    from hp.core.devices import pin_to_core
 
     pin_to_core(rank)
 

@@ -44,7 +44,7 @@ from datetime import timedelta
 from typing import Any
 
 from hp.chaos.baselines.torchrun_dcp import add_model_args, corpus_key, process_start_time
-from hp.core.benchmeta import pin_to_core
+from hp.core.devices import pin_to_core
 from hp.core.protocol import Event
 
 MODULE = "hp.chaos.baselines.torchft_ddp"

@@ -27,7 +27,7 @@ import time
 from datetime import timedelta
 from typing import Any
 
-from hp.core.benchmeta import pin_to_core
+from hp.core.devices import pin_to_core
 from hp.core.protocol import Event
 
 MODULE = "hp.chaos.baselines.torchrun_dcp"
