@@ -13,9 +13,17 @@ import sys
 import pytest
 
 from hp.core.errors import UsageError
-from hp.core.schedulers.slurm.backend import SlurmJob
-from hp.core.schedulers.slurm.job import (SPEC_FILE, TOKEN_FILE, SlurmJobSpec, agent_argv, base_script, base_steps, prepare,
-                               unit_script)
+from hp.core.schedulers.slurm.job import (
+    SPEC_FILE,
+    TOKEN_FILE,
+    SlurmJobSpec,
+    agent_argv,
+    base_script,
+    base_steps,
+    prepare,
+    unit_script,
+)
+from hp.core.schedulers.slurm.records import SlurmJob
 from hp.core.schedulers.slurm.units import FailedUnits, Slot, UnitKeeper
 
 TOKEN = "ab" * 16

@@ -10,11 +10,12 @@ import sys
 
 import pytest
 
-from hp.core.schedulers.slurm.backend import SlurmError, SlurmJob, SlurmScheduler
+from hp.core.schedulers.slurm.backend import SlurmError, SlurmScheduler
+from hp.core.schedulers.slurm.quota import QosLimits, quota_hosts
+from hp.core.schedulers.slurm.records import SlurmJob
+from hp.testing import wait_for
 from hp.testing.slurm_accounting import set_qos
 from hp.testing.slurm_cluster import LocalSlurm
-from hp.core.schedulers.slurm.quota import QosLimits, quota_hosts
-from hp.testing import wait_for
 
 
 def _job(job_id: str, nodes: int, state: str = "RUNNING", qos: str = "q", user: str = "me") -> SlurmJob:

@@ -13,6 +13,7 @@ and a random "nonce" in its JSON body bound replays; a receiver that also keeps 
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import heapq
 import hmac
@@ -152,3 +153,26 @@ class ReplayWindow:
                 raise AuthError(f"replay window full: {self.cap} messages within {self.window_s:.0f} s")
             self._seen.add(nonce)
             heapq.heappush(self._expiry, (ts + self.window_s, nonce))
+
+
+def read_token(args: argparse.Namespace, required: bool) -> str:
+    """The job token a command was given: ``--token-file`` (``args.token_file``), else ``$HP_JOB_TOKEN``; else a
+    new one, unless ``required`` (a job of several nodes, an operator command): then a one-line error."""
+    if getattr(args, "token_file", None):
+        try:
+            with open(args.token_file) as f:
+                token = f.read().strip()
+        except OSError as e:
+            raise UsageError(f"--token-file: {e.strerror}: {args.token_file}") from None
+        except UnicodeDecodeError:
+            raise UsageError(f"--token-file {args.token_file}: not UTF-8 text") from None
+        if not token:
+            raise UsageError(f"--token-file {args.token_file} is empty")
+        return check_token(token, f"the job token in --token-file {args.token_file}")
+    token = token_from_env()
+    if token:
+        return check_token(token, f"the job token in ${TOKEN_ENV}")
+    if required:
+        raise UsageError(f"a shared job token is required: set {TOKEN_ENV} or --token-file "
+                         "(`hp token` prints a new one)")
+    return new_token()

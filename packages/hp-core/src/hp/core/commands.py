@@ -11,31 +11,11 @@ import sys
 import time
 
 from hp.core import auth
+from hp.core.auth import read_token
 from hp.core.config import RunConfig, check_name, check_port, check_seconds, parse_endpoint, parse_nnodes
 from hp.core.errors import UsageError
 from hp.core.plugins import load_scaler
 from hp.core.hookspecs import hookimpl
-
-
-def read_token(args: argparse.Namespace, required: bool) -> str:
-    if getattr(args, "token_file", None):
-        try:
-            with open(args.token_file) as f:
-                token = f.read().strip()
-        except OSError as e:
-            raise UsageError(f"--token-file: {e.strerror}: {args.token_file}") from None
-        except UnicodeDecodeError:
-            raise UsageError(f"--token-file {args.token_file}: not UTF-8 text") from None
-        if not token:
-            raise UsageError(f"--token-file {args.token_file} is empty")
-        return auth.check_token(token, f"the job token in --token-file {args.token_file}")
-    token = auth.token_from_env()
-    if token:
-        return auth.check_token(token, f"the job token in ${auth.TOKEN_ENV}")
-    if required:
-        raise UsageError(f"a shared job token is required: set {auth.TOKEN_ENV} or --token-file "
-                         "(`hp token` prints a new one)")
-    return auth.new_token()
 
 
 def _add_run(sub: argparse._SubParsersAction) -> None:

@@ -18,24 +18,11 @@ import os
 from collections.abc import Iterable
 
 from hp.core.errors import UsageError
+from hp.core.backends.api import HealthCheck
 from hp.core.hookspecs import hookimpl
 
 EXIT_UNHEALTHY = 74  # EX_IOERR: this process's device failed a health check; the agent replaces it
 MIN_FREE_ENV = "HP_HEALTH_MIN_FREE_MB"
-
-
-class HealthCheck:
-    """Base class: ``name``, which devices it is for, and the check (no collectives: peers are re-forming)."""
-
-    name: str = ""
-
-    def applies(self, device: str) -> bool:
-        """Whether this check is for ``device`` (``"cpu"``, ``"cuda:3"``, ...)."""
-        return False
-
-    def run(self, device: str) -> str | None:
-        """None when healthy, else why not (one line)."""
-        return None
 
 
 class CudaHealth(HealthCheck):

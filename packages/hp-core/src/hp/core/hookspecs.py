@@ -18,11 +18,9 @@ from typing import TYPE_CHECKING
 import pluggy
 
 if TYPE_CHECKING:
-    from hp.core.health import HealthCheck
+    from hp.core.backends.api import HealthCheck, NodeService, StoreBackend
     from hp.core.scaling import Scaler
     from hp.core.schedulers.api import SchedulerBackend
-    from hp.core.services import NodeService
-    from hp.core.store import StoreBackend
     from hp.core.transport import TransportBackend
 
 PROJECT_NAME = "hp"

@@ -20,63 +20,17 @@ their lifecycle through :class:`ServiceHost`:
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from datetime import timedelta
-from typing import TYPE_CHECKING, Callable, Protocol
+from typing import TYPE_CHECKING, Callable
 
-from hp.core.errors import HpError, UsageError
+from hp.core.backends.api import NodeContext, NodeService, RunningService, ServiceError  # noqa: F401
+from hp.core.errors import UsageError
 from hp.core.protocol import ProtocolError, node_service_key
 from hp.core.signed_values import Refusals, seal, unseal
 
 if TYPE_CHECKING:
     import torch.distributed as dist
-
-
-class ServiceError(HpError):
-    """A node service could not start, or its counterparts never showed up."""
-
-
-@dataclass(frozen=True)
-class NodeContext:
-    """What a service is told about the node it runs on."""
-
-    run_id: str
-    node_rank: int
-    nnodes: int
-    address: str  # this node's address as the other nodes (and the controller) see it: bind here
-    log_dir: str  # the job's log directory on this node; a service logs under services/<name>
-    token: str = field(repr=False)  # the job token: authenticate every connection with it
-    options: dict[str, str] = field(default_factory=dict)  # from --service NAME:KEY=VALUE,...
-
-
-class RunningService(Protocol):
-    """One started service on this node."""
-
-    @property
-    def endpoint(self) -> str:
-        """What the other nodes need to reach this service (e.g. ``HOST:PORT``); may be empty."""
-
-    def connect(self, endpoints: list[str]) -> None:
-        """Every node's endpoint, indexed by node rank (this node's included), once all are known."""
-
-    def worker_env(self) -> dict[str, str]:
-        """Environment variables for every worker and spare started on this node."""
-
-    def poll(self) -> str | None:
-        """None while the service runs; once it has ended, a one-line description of how."""
-
-    def stop(self) -> None:
-        """Stop the service and release what it holds. Called once, after the workers stopped."""
-
-
-class NodeService(Protocol):
-    """A backend of the ``node_service`` family."""
-
-    name: str
-
-    def start(self, node: NodeContext) -> RunningService:
-        """Start this node's instance; raise :class:`ServiceError` (or ``UsageError`` for bad
-        options) if it cannot run. Must return once the service accepts connections."""
 
 
 def parse_service_spec(spec: str) -> tuple[str, dict[str, str]]:

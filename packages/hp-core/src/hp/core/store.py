@@ -9,47 +9,16 @@ from __future__ import annotations
 
 import socket
 import time
-from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import TYPE_CHECKING
 
+from hp.core.backends.api import StoreBackend, StoreServer
 from hp.core.hookspecs import hookimpl
 
 if TYPE_CHECKING:
     import torch.distributed as dist
 
 CONNECT_RETRY_S = 0.05  # between refused connects to a TCPStore not (or no longer) listening
-
-
-@dataclass
-class StoreServer:
-    """A running store server: where clients reach it, and how to stop it."""
-
-    host: str
-    port: int
-    store: dist.Store
-    _keepalive: list = field(default_factory=list, repr=False)
-
-    def close(self) -> None:
-        for sock in self._keepalive:
-            sock.close()
-        self._keepalive.clear()
-        self.store = None  # type: ignore[assignment]  # dropping the last reference stops the server
-
-
-class StoreBackend:
-    """Base class of store backends."""
-
-    name: str = ""
-
-    def serve(self, host: str, port: int = 0) -> StoreServer:
-        """Start a server bound to ``host`` only (port 0 picks a free one)."""
-        raise NotImplementedError
-
-    def connect(self, host: str, port: int, timeout: timedelta = timedelta(seconds=60),
-                job: str | None = None) -> dist.Store:
-        """A client of the server at ``host:port``; ``job``: the job's keys where a store holds many jobs'."""
-        raise NotImplementedError
 
 
 class TCPStoreBackend(StoreBackend):

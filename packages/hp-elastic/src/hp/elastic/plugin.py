@@ -36,7 +36,7 @@ def hp_scaler(policy: str) -> PolicyScaler:
 
 def _scale(args: argparse.Namespace) -> int:
     from hp.core.auth import OPERATOR
-    from hp.core.commands import read_token
+    from hp.core.auth import read_token
     from hp.core.config import parse_endpoint
     from hp.core.control_plane import ControlClient
     from hp.core.errors import UsageError

@@ -33,7 +33,7 @@ from pathlib import Path
 from hp.core.privfs import user_dir
 from hp.core.errors import UsageError
 from hp.core.hookspecs import hookimpl
-from hp.core.services import NodeContext, ServiceError
+from hp.core.backends.api import NodeContext, ServiceError
 from hp.tiered_ckpt.config import DAEMON_ENV, PEERS_ENV, URL_ENV
 from hp.tiered_ckpt.wire import ADMIN_KEY_ENV
 

@@ -25,7 +25,7 @@ def add_parser(commands: argparse._SubParsersAction) -> None:
 
 
 def _watch(args: argparse.Namespace) -> int:
-    from hp.core.commands import read_token
+    from hp.core.auth import read_token
     from hp.core.config import parse_endpoint
     from hp.core.errors import UsageError
     from hp.core.schedulers.k8s import names

@@ -22,13 +22,13 @@ import shutil
 import subprocess
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from hp.core.config import check_name
 from hp.core.errors import BackendUnavailableError, UsageError
 from hp.core.schedulers.api import Capacity, SchedulerBackend
 from hp.core.schedulers.slurm.quota import ALLOCATED, QOS_FORMAT, QosLimits, quota_hosts
+from hp.core.schedulers.slurm.records import ACTIVE_JOB_STATES, SlurmJob, SlurmNode
 
 if TYPE_CHECKING:
     from torchx.specs import AppDef
@@ -36,38 +36,10 @@ if TYPE_CHECKING:
 CLI_TIMEOUT_S = 30.0
 FREE_STATES = frozenset({"idle"})  # a node Slurm would give to a new job now
 WAITING_FOR_NODES = frozenset({"Resources", "Priority", "None"})  # None: not yet looked at by the scheduler
-ACTIVE_JOB_STATES = frozenset({"PENDING", "CONFIGURING", "RUNNING", "COMPLETING", "SUSPENDED", "REQUEUED",
-                               "REQUEUE_HOLD", "RESIZING", "SIGNALING", "STAGE_OUT"})
 
 
 class SlurmError(UsageError):
     """A Slurm command failed or is missing: one line, with the command and Slurm's own message."""
-
-
-@dataclass(frozen=True)
-class SlurmNode:
-    name: str
-    state: str  # sinfo's base state, lower case: idle, allocated, mixed, down, drained, ...
-    cpus: int
-    partitions: tuple[str, ...]
-
-
-@dataclass(frozen=True)
-class SlurmJob:
-    job_id: str
-    partition: str
-    state: str  # squeue's JOB_STATE: PENDING, RUNNING, ...
-    nodes: str  # a Slurm node list (n[1-2]); empty while pending
-    node_count: int
-    reason: str = "None"  # why it pends: Resources, Priority, JobHeldUser, BeginTime, Dependency, ...
-    het_job_id: str = ""  # a heterogeneous job's components (TorchX submits one) share it
-    name: str = ""
-    qos: str = ""
-    user: str = ""
-
-    @property
-    def active(self) -> bool:
-        return self.state in ACTIVE_JOB_STATES
 
 
 class SlurmCli:

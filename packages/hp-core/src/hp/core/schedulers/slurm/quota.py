@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from hp.core.schedulers.slurm.backend import SlurmJob
+    from hp.core.schedulers.slurm.records import SlurmJob
 
 QOS_FORMAT = "format=Name,GrpTRES,MaxTRESPU,MaxJobsPU"  # sacctmgr -nP show qos NAME QOS_FORMAT
 ALLOCATED = frozenset({"RUNNING", "CONFIGURING", "COMPLETING", "SUSPENDED"})  # holding nodes

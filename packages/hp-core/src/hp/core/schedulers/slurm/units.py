@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 from hp.core.node_failure import FailureReport
-from hp.core.schedulers.slurm.backend import SlurmCli, SlurmError, SlurmJob, SlurmScheduler
+from hp.core.schedulers.slurm.backend import SlurmCli, SlurmError, SlurmScheduler
 from hp.core.schedulers.slurm.job import (
     SlurmJobSpec,
     base_steps,
@@ -43,6 +43,7 @@ from hp.core.schedulers.slurm.job import (
     read_token,
     unit_script,
 )
+from hp.core.schedulers.slurm.records import SlurmJob
 
 POLL_S = 1.0
 CAPACITY_EVERY_S = 5.0  # the base logs the job's capacity (idle nodes, QOS quota, preemption) as it changes
