@@ -23,7 +23,8 @@ from kubernetes.client import ApiClient
 
 from hp.core import cli
 from hp.core.schedulers.k8s import schemas
-from hp.core.schedulers.k8s.manifest import WRAPPER, ManifestConfig, manifests, watch_args
+from hp.core.schedulers.k8s.manifest import WRAPPER, ManifestConfig, watch_args
+from hp.core.schedulers.k8s.objects import manifests
 
 K8S_VERSIONS = ("1.31.0", "1.36.0")  # kubernetes-validate 1.37.0 bundles 1.25 .. 1.37; JobSet and native
                                      # sidecars (the watcher's restartPolicy: Always init container) need >= 1.29

@@ -23,7 +23,8 @@ from typing import TYPE_CHECKING, Any
 
 from hp.core.errors import BackendUnavailableError
 from hp.core.schedulers.k8s import names
-from hp.core.schedulers.k8s.manifest import JOB_LABEL, ROLE_LABEL, VARIANTS, ManifestConfig, manifests
+from hp.core.schedulers.k8s.manifest import JOB_LABEL, ROLE_LABEL, VARIANTS, ManifestConfig
+from hp.core.schedulers.k8s.objects import manifests
 from hp.core.schedulers.k8s.names import K8sConfigError
 from hp.core.schedulers.k8s.rbac import object_names
 from hp.core.schedulers.k8s.watch import JobWatch

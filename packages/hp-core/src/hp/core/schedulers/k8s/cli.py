@@ -16,7 +16,8 @@ import yaml
 
 from hp.core.errors import UsageError
 from hp.core.schedulers.k8s import watch_cli
-from hp.core.schedulers.k8s.manifest import DEFAULT_IMAGE, VARIANTS, ManifestConfig, manifests
+from hp.core.schedulers.k8s.manifest import DEFAULT_IMAGE, VARIANTS, ManifestConfig
+from hp.core.schedulers.k8s.objects import manifests
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:

@@ -1,23 +1,8 @@
-"""The Kubernetes objects of one hp job, from one config: a pure function, no cluster needed.
+"""The parts of one hp job's Kubernetes objects, from one config: pure functions, no cluster needed.
 
-:func:`manifests` returns, in the order to apply them:
-
-1. ``ConfigMap <name>-policy`` (elastic jobs): the ``ScalingPolicy`` YAML, mounted at :data:`POLICY_PATH`.
-2. ``watch`` on, no ``service_account``: the watcher's ``ServiceAccount``, ``Role``, ``RoleBinding``,
-   ``ClusterRole`` and ``ClusterRoleBinding`` (:mod:`hp.core.schedulers.k8s.rbac`, which says what a named one needs).
-3. ``Service <name>-controller``: headless, so its DNS name resolves to the controller pod's IP. The
-   controller tells agents its store's address (the ``--host`` it binds, the pod IP) and a random port:
-   only a headless Service reaches that port.
-4. ``Pod <name>-controller``: ``hp controller`` (``restartPolicy: OnFailure``), so every worker pod may
-   leave. A bare pod, not a Deployment: it exits 0 when the job succeeded and must stay done; a
-   controller restarted elsewhere would hold none of the job's state anyway (that is ``--store etcd``).
-   With ``watch``, ``hp k8s watch`` (:func:`watch_args`: pod, node and Kueue events to the controller)
-   runs beside it as a native sidecar (``restartPolicy: Always``, Kubernetes >= 1.29), stopped when
-   ``hp controller`` ends, so the pod still completes.
-5. The workers: a ``JobSet`` (jobset.x-k8s.io/v1alpha2) with two replicated jobs, ``base`` (``min_nodes``
-   pods, the high PriorityClass) and ``elastic`` (``max_nodes - min_nodes`` pods, the low one), each one
-   Indexed ``batch/v1`` Job; or, with ``variant="volcano"``, one Volcano ``Job`` (batch.volcano.sh/v1alpha1)
-   with the two groups as tasks, gang-scheduled at ``minAvailable = min_nodes``.
+:func:`hp.core.schedulers.k8s.objects.manifests` assembles them, in apply order; :class:`ManifestConfig` is
+the config and its validation; the worker pod template, the controller pod and the JobSet are here,
+the RBAC objects in :mod:`hp.core.schedulers.k8s.rbac` and the Volcano job in :mod:`hp.core.schedulers.k8s.volcano`.
 
 A worker's ``--node-rank`` is its group's offset plus its index in the group: the Job controller writes
 the index into the pod annotation ``batch.kubernetes.io/job-completion-index`` (Volcano:
@@ -47,7 +32,7 @@ import yaml
 
 from hp.core.config import check_name
 from hp.core.schedulers.k8s import names
-from hp.core.schedulers.k8s.names import K8sConfigError
+from hp.core.schedulers.k8s.names import K8sConfigError, account_name
 
 IMAGE_NAME = "hp"          # docker/Dockerfile's org.opencontainers.image.title
 IMAGE_TAG = "0.1.0"        # its org.opencontainers.image.version (hp-core's version)
@@ -226,36 +211,7 @@ def _policy(text: object) -> None:
         raise K8sConfigError("--scaling-policy must be a YAML mapping (min_replicas, max_replicas, ...)")
 
 
-def manifests(cfg: ManifestConfig) -> list[dict[str, Any]]:
-    """Every object of the job, in apply order (see the module docstring). Validates ``cfg`` first."""
-    cfg.validate()
-    out: list[dict[str, Any]] = []
-    if cfg.scaling_policy is not None:
-        out.append(_object("v1", "ConfigMap", f"{cfg.name}-policy", cfg, {"data": {POLICY_FILE: cfg.scaling_policy}}))
-    if cfg.watch and cfg.service_account is None:
-        from hp.core.schedulers.k8s.rbac import rbac_objects
-
-        out += rbac_objects(cfg)
-    out.append(_object("v1", "Service", f"{cfg.name}-controller", cfg, {"spec": {
-        "clusterIP": "None", "publishNotReadyAddresses": True,
-        "selector": {JOB_LABEL: cfg.name, ROLE_LABEL: "controller"},
-        "ports": [{"name": "control", "port": CONTROL_PORT, "targetPort": CONTROL_PORT, "protocol": "TCP"}]}}))
-    controller = _object("v1", "Pod", f"{cfg.name}-controller", cfg, {"spec": _controller_spec(cfg)})
-    controller["metadata"]["labels"][ROLE_LABEL] = "controller"
-    out.append(controller)
-    if cfg.variant == "volcano":
-        from hp.core.schedulers.k8s.volcano import volcano_job
-
-        out.append(volcano_job(cfg))
-    elif cfg.split_elastic:
-        out.append(jobset(cfg, [BASE], cfg.name, cfg.workload_priority_class))
-        out.append(jobset(cfg, [ELASTIC], f"{cfg.name}-elastic", cfg.elastic_workload_priority_class))
-    else:
-        out.append(jobset(cfg, [BASE, ELASTIC] if cfg.elastic_nodes else [BASE], cfg.name, cfg.workload_priority_class))
-    return out
-
-
-def _object(api_version: str, kind: str, name: str, cfg: ManifestConfig, body: dict[str, Any]) -> dict[str, Any]:
+def k8s_object(api_version: str, kind: str, name: str, cfg: ManifestConfig, body: dict[str, Any]) -> dict[str, Any]:
     meta = {"name": name, "namespace": cfg.namespace, "labels": {JOB_LABEL: cfg.name}}
     return {"apiVersion": api_version, "kind": kind, "metadata": meta, **body}
 
@@ -264,7 +220,7 @@ def jobset(cfg: ManifestConfig, groups: list[str], name: str, workload_priority:
     """A JobSet of ``groups``; it succeeds when its first group's Job has (the base group ends the job)."""
     replicated = [{"name": g, "replicas": 1, "template": {"metadata": {"labels": {JOB_LABEL: cfg.name, GROUP_LABEL: g}},
                                                           "spec": _job_spec(cfg, g)}} for g in groups]
-    js = _object("jobset.x-k8s.io/v1alpha2", "JobSet", name, cfg, {"spec": {
+    js = k8s_object("jobset.x-k8s.io/v1alpha2", "JobSet", name, cfg, {"spec": {
         "replicatedJobs": replicated,
         "successPolicy": {"operator": "All", "targetReplicatedJobs": [groups[0]]},
         "failurePolicy": _failure_policy(cfg, groups),
@@ -334,7 +290,7 @@ def worker_pod_template(cfg: ManifestConfig, group: str, index_annotation: str) 
     return {"metadata": {"labels": {JOB_LABEL: cfg.name, ROLE_LABEL: "worker", GROUP_LABEL: group}}, "spec": spec}
 
 
-def _controller_spec(cfg: ManifestConfig) -> dict[str, Any]:
+def controller_spec(cfg: ManifestConfig) -> dict[str, Any]:
     args = ["controller", "--host", "$(HP_POD_IP)", "--port", str(CONTROL_PORT), "--nnodes", cfg.nnodes,
             "--heartbeat-timeout", f"{cfg.heartbeat_timeout_s:g}", "--max-restarts", str(cfg.max_restarts)]
     if cfg.scaling_policy is not None:
@@ -344,8 +300,6 @@ def _controller_spec(cfg: ManifestConfig) -> dict[str, Any]:
     container["readinessProbe"] = {"tcpSocket": {"port": CONTROL_PORT}, "periodSeconds": 5}
     spec = _pod_spec(cfg, container, cfg.base_priority_class, "OnFailure")
     if cfg.watch:
-        from hp.core.schedulers.k8s.rbac import account_name
-
         spec["initContainers"] = [_watch_container(cfg)]
         spec.setdefault("serviceAccountName", account_name(cfg.name))  # the user's, else rbac.py's
     return spec

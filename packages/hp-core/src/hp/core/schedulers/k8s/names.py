@@ -92,3 +92,8 @@ def image(value: object, what: str = "--image") -> str:
         raise K8sConfigError(f"{what} must be a container image reference ([REGISTRY/]NAME[:TAG][@sha256:DIGEST]), "
                              f"got {value!r}")
     return value
+
+
+def account_name(name: str) -> str:
+    """The ServiceAccount (and the Role, the RoleBinding) of job ``name``."""
+    return f"{name}-watch"

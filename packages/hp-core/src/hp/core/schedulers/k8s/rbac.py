@@ -25,6 +25,7 @@ from __future__ import annotations
 from typing import Any
 
 from hp.core.schedulers.k8s import names
+from hp.core.schedulers.k8s.names import account_name
 from hp.core.schedulers.k8s.manifest import JOB_LABEL, ManifestConfig
 
 RBAC_API = "rbac.authorization.k8s.io"
@@ -32,11 +33,6 @@ NAMESPACE_LABEL = "hp.dev/namespace"  # on the cluster-scoped objects: which nam
 VERBS = ("get", "list", "watch")  # of every rule: the watcher only reads
 NAMESPACED_RULES = (("", "pods"), ("kueue.x-k8s.io", "workloads"))  # (apiGroup, resource)
 CLUSTER_RULES = (("", "nodes"),)
-
-
-def account_name(name: str) -> str:
-    """The ServiceAccount (and the Role, the RoleBinding) of job ``name``."""
-    return f"{name}-watch"
 
 
 def cluster_name(namespace: str, name: str) -> str:
