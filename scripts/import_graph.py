@@ -95,6 +95,17 @@ def circles(graph: dict[str, set[str]]) -> list[list[str]]:
     return sorted(found, key=len, reverse=True)
 
 
+def classes(known: dict[str, tuple[Path, str]]) -> list[tuple[str, tuple[int, int]]]:
+    """Every class: (module.Class, (lines, methods)), largest first."""
+    out = []
+    for mod, (path, _) in known.items():
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.ClassDef):
+                methods = sum(isinstance(b, (ast.FunctionDef, ast.AsyncFunctionDef)) for b in node.body)
+                out.append((f"{mod}.{node.name}", (node.end_lineno - node.lineno + 1, methods)))
+    return sorted(out, key=lambda kv: -kv[1][0])
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("root", nargs="?", default=str(Path(__file__).resolve().parents[1]))
@@ -117,10 +128,12 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {len(comp)} modules: {', '.join(comp)}")
     big = sorted(lines.items(), key=lambda kv: -kv[1])[:12]
     print("largest modules: " + ", ".join(f"{m} {n}" for m, n in big))
+    sizes = classes(known)
+    print("largest classes (lines/methods): " + ", ".join(f"{c} {n}/{k}" for c, (n, k) in sizes[:12]))
     if args.out:
         Path(args.out).write_text(json.dumps({
             "distributions": {d: {"modules": n, "lines": t} for d, (n, t) in per_dist.items()},
-            "circles": found, "edges": {m: sorted(e) for m, e in graph.items()}, "lines": lines}, indent=1))
+            "circles": found, "classes": dict(sizes), "edges": {m: sorted(e) for m, e in graph.items()}, "lines": lines}, indent=1))
     return 0
 
 
