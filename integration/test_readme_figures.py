@@ -1,9 +1,10 @@
-"""README figures are the committed results file's: every quoted figure links to the value it shows.
+"""README and docs figures are the committed results file's: every quoted figure links to the value it shows.
 
 A figure is written ``[0.79 s](benchmarks/results/<name>.json#benchmarks.recovery.variants.hp.downtime_s.median)``
-(``hp bench all`` writes the file; see :mod:`hp.chaos.bench_all`). This test resolves each link and
+(``hp bench all`` writes the file; see :mod:`hp.chaos.bench.suite`). This test resolves each link and
 fails when the file, the key or the value is not what the text says, and when a headline figure is
-quoted without a link."""
+quoted without a link. The same holds on every page of the documentation site (``docs/**/*.md``): a page
+links to the file by its path from the page (``../benchmarks/results/...`` from ``docs/``)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 READMES = [ROOT / "README.md", *sorted((ROOT / "packages").glob("*/README.md"))]
+DOCS = sorted((ROOT / "docs").rglob("*.md"))
 LINK = re.compile(r"\[([^\]]*?)\]\(((?:\.\./)*benchmarks/results/[\w.-]+\.json)#([\w.\-]+)\)")
 NUMBER = re.compile(r"(-?[\d,]*\.?\d+)\s*(ms|s|%|×|x|h|k)?")
 SCALE = {"ms": 1000.0, "%": 100.0, "k": 0.001}
@@ -78,7 +80,7 @@ def check(readme: Path) -> list[str]:
     return wrong
 
 
-@pytest.mark.parametrize("readme", READMES, ids=lambda p: str(p.relative_to(ROOT)))
+@pytest.mark.parametrize("readme", READMES + DOCS, ids=lambda p: str(p.relative_to(ROOT)))
 def test_every_linked_figure_is_the_value_in_the_committed_results_file(readme):
     wrong = check(readme)
     assert not wrong, "\n".join(wrong)
@@ -97,6 +99,15 @@ def test_readme_quotes_the_headline_figures_from_a_full_clean_run():
             assert "definition_version" in b and "machine" in b and "load_avg" in b, (path, name)
     missing = [k for k in HEADLINE if k not in {key for _, _, key in quoted}]
     assert not missing, f"README.md does not quote {missing} from the results file"
+
+
+def test_the_docs_pages_quote_figures_too():
+    """The figures moved from the README to docs/ are still checked: the site is not a way around the
+    checker (a page with no linked figure would pass it vacuously)."""
+    assert DOCS, "docs/ has no pages"
+    quoted = [link for page in DOCS for link in links(page)]
+    assert len(quoted) >= 100, f"docs/ quotes {len(quoted)} linked figures"
+    assert all(path.is_relative_to(ROOT / "benchmarks" / "results") for _, path, _ in quoted)
 
 
 def test_the_checker_itself_rejects_a_figure_that_is_not_the_value():

@@ -26,9 +26,9 @@ if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null && ! command -v etcd >/de
     { command -v systemctl && systemctl disable --now etcd; } >/dev/null 2>&1 || true
 fi
 
-# The `slurm` scheduler backend's tests run a real Slurm (hp.testing.slurm_cluster: munged, slurmctld and a
+# The `slurm` scheduler backend's tests run a real Slurm (hp.chaos.clusters.slurm: munged, slurmctld and a
 # slurmd per fake node, on free ports, in a private directory); the QOS quota tests add accounting
-# (hp.testing.slurm_accounting: a private MariaDB and slurmdbd). No system daemon is left running.
+# (hp.chaos.clusters.slurm_accounting: a private MariaDB and slurmdbd). No system daemon is left running.
 if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null \
         && { ! command -v slurmctld || ! command -v slurmdbd || ! command -v mariadbd; } >/dev/null 2>&1; then
     export DEBIAN_FRONTEND=noninteractive
@@ -53,4 +53,5 @@ fi
 .venv/bin/python -m pip install -qq --no-deps "nvidia-resiliency-ext==0.4.1"
 .venv/bin/python -m pip install -qq "nvidia-ml-py>=12.570.86" "psutil>=6.0.0" defusedxml packaging pyyaml
 .venv/bin/python -m pip uninstall -qq -y pynvml 2>/dev/null || true  # left by an earlier plain install
+.venv/bin/python -m pip install -qq -r docs/requirements.txt  # the documentation site (mkdocs.yml; integration/test_docs.py)
 echo "setup: .venv ready ($(.venv/bin/python -c 'import torch; print("torch", torch.__version__)'))"
