@@ -146,7 +146,7 @@ def _main(request: dict):
         return cli.main
     from hp.core.worker_main import exec_main
 
-    warm_start._IN_SERVER = False  # a program may start warm programs of its own
+    warm_start.set_in_server(False)  # a program may start warm programs of its own
     if request["argv"][0] == "-m":
         sys.path[0] = os.getcwd()  # as `python -m` has it (a script's directory: exec_main)
     extra = [p for p in request["env"].get("PYTHONPATH", "").split(os.pathsep) if p and p not in sys.path]
@@ -320,7 +320,7 @@ def serve(path: str) -> None:
     if os.getppid() != parent:
         return
     _set_environ_area(dict(os.environ))  # fails here, before anything is served, without CAP_SYS_RESOURCE or CAP_CHECKPOINT_RESTORE
-    warm_start._IN_SERVER = True  # its forks run hp themselves
+    warm_start.set_in_server(True)  # its forks run hp themselves
     for name in ("OMP_NUM_THREADS", "MKL_NUM_THREADS"):  # torch's default thread count; each fork sets its own
         os.environ.pop(name, None)
     preload()

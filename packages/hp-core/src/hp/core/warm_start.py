@@ -63,7 +63,13 @@ STARTUP_WAIT_S = 120.0
 FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT, signal.SIGUSR1, signal.SIGUSR2,
              signal.SIGCONT)
 TITLE_ROOM = 4096  # bytes of command line the server keeps for its forks' titles (setproctitle writes there)
-_IN_SERVER = False  # set in the server, so in its forks: a fork runs the agent itself
+_IN_SERVER = False  # set in the server, so in its forks: a fork runs the agent itself (set_in_server)
+
+
+def set_in_server(value: bool) -> None:
+    """Whether this process is the warm-start server (or a fork of it that must not ask it again)."""
+    global _IN_SERVER
+    _IN_SERVER = value
 
 
 # ---- the stand-in ----------------------------------------------------------------------------

@@ -64,7 +64,7 @@ class Daemon:
         self._tiers: dict[tuple[str, str], PersistentTier] = {}
         self.newest_persist: dict[str, int] = {}      # newest step queued for upload, per namespace
         self._waiting: list[dict] = []                # upload jobs queued and not started (store.lock)
-        daemon = self
+        serve = self._serve  # the handler's: one connection's frames
 
         slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
 
@@ -74,7 +74,7 @@ class Daemon:
                     log.warning("refused a connection: %d already open", MAX_CONNECTIONS)
                     return
                 try:
-                    daemon._serve(self.request)
+                    serve(self.request)
                 finally:
                     slots.release()
 
