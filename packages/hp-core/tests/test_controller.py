@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from hp.core.controller import Controller, ControllerConfig, Refused
-from hp.core.protocol import JobState
+from hp.core.controller import Controller, ControllerConfig, RecoveryPolicy, Refused
+from hp.core.protocol import FailureAction, JobState, Verb
 
 
 class Clock:
@@ -406,3 +406,89 @@ def test_finish_is_refused_unless_the_job_is_running():
     with pytest.raises(Refused, match="job is rendezvous"):
         c.handle("finish", {})
     assert c.finishing is False
+
+
+# ---- the recovery policy: the decisions a Controller is given ----------------------------------------
+class NoSpares(RecoveryPolicy):
+    """A policy that keeps its spares for something else, answers a rank no spare takes itself, and
+    serves ``scale`` (as an elastic policy would)."""
+
+    def __init__(self, answer: dict | None = None) -> None:
+        super().__init__()
+        self.answer, self.asked = answer, []
+
+    def pick_spare(self, node_rank: int) -> str | None:
+        self.asked.append(("pick_spare", node_rank))
+        return None
+
+    def without_spare(self, ranks: list[int], cause: str) -> dict | None:
+        self.asked.append(("without_spare", ranks, cause))
+        return self.answer
+
+    def spare_ready(self, spare: str) -> None:
+        self.asked.append(("spare_ready", spare))
+
+    def verbs(self):
+        return {**super().verbs(), Verb.SCALE: lambda p: {"scaled": self.parts.book.generation}}
+
+
+def with_policy(policy: RecoveryPolicy, **cfg) -> Controller:
+    c = Controller(ControllerConfig(nnodes=2, **cfg), clock=Clock(), policy=policy)
+    for n in range(2):
+        c.handle("join", {"node_rank": n, "nproc": 2, "host": f"h{n}", "spares": 1})
+    return c
+
+
+def test_the_controller_consults_the_policy_it_is_given():
+    policy = NoSpares()
+    c = with_policy(policy, max_restarts=1)
+    d = c.handle("worker_failed", {"node_rank": 1, "generation": 1, "rank": 3, "holder": c.holders[3],
+                                   "signal": "SIGKILL"})
+    assert d["action"] == FailureAction.RESTART  # a free spare, but the policy gave it no rank
+    assert policy.asked == [("pick_spare", 1), ("without_spare", [3], "was killed by SIGKILL")]
+    assert sorted(c.free_spares) == ["n0s0", "n1s0"]
+    assert c.handle("spare_ready", {"node_rank": 0, "spare": "n0s0"}) == {"ready": True}
+    assert policy.asked[-1] == ("spare_ready", "n0s0")
+    assert c.handle("scale", {"replicas": 3}) == {"scaled": 2}  # a verb the policy serves
+    with pytest.raises(Refused, match="fixed size"):  # and one it left to the default
+        c.handle("node_leaving", {"node_rank": 0, "generation": 2})
+
+
+def test_a_policys_answer_to_a_rank_no_spare_takes_is_the_controllers():
+    c = with_policy(NoSpares({"action": "custom", "generation": 1}))
+    d = c.handle("worker_failed", {"node_rank": 0, "generation": 1, "rank": 0, "holder": c.holders[0], "exitcode": 1})
+    assert d == {"action": "custom", "generation": 1} and c.state is JobState.RUNNING and c.restarts == 0
+
+
+def test_the_default_policy_is_the_fixed_size_one():
+    c, _ = running(spares=1)
+    assert type(c.policy) is RecoveryPolicy and c.policy.kind == "Controller"
+    d = c.handle("worker_failed", {"node_rank": 1, "generation": 1, "rank": 4, "holder": c.holders[4], "signal": "SIGKILL"})
+    assert d["action"] == FailureAction.PROMOTE_SPARE and d["spare"] == "n1s0"
+    with pytest.raises(Refused, match="cannot join now"):
+        c.handle("join", {"node_rank": 0, "nproc": 3, "host": "h0"})
+
+
+def test_a_policy_serves_one_controller():
+    policy = RecoveryPolicy()
+    with pytest.raises(RuntimeError, match="not given to a controller"):
+        policy.pick_spare(0)
+    Controller(ControllerConfig(nnodes=1), policy=policy)
+    with pytest.raises(ValueError, match="one controller"):
+        Controller(ControllerConfig(nnodes=1), policy=policy)
+
+
+def test_no_part_of_the_controller_reads_another_objects_private_attributes():
+    """The parts share the job's book and each other's public methods, never a private attribute."""
+    import ast
+    import pathlib
+
+    import hp.core.controller as package
+
+    found = []
+    for path in sorted(pathlib.Path(package.__file__).parent.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__") \
+                    and not (isinstance(node.value, ast.Name) and node.value.id == "self"):
+                found.append(f"{path.name}:{node.lineno} .{node.attr}")
+    assert found == []

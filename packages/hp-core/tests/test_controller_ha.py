@@ -1,5 +1,5 @@
 """The controller's durability, driven without processes: what an HA replica persists, when, and how a
-new leader takes over (hp.core.controller_state, Controller.take_over; the etcd side is test_leader)."""
+new leader takes over (hp.core.controller.state, Controller.take_over; the etcd side is test_leader)."""
 
 from __future__ import annotations
 
@@ -7,10 +7,9 @@ import json
 
 import pytest
 
-from hp.core.controller import Controller, ControllerConfig, Refused
-from hp.core.controller_state import StateError, dump, load
+from hp.core.controller import Controller, ControllerConfig, ElasticController, ElasticPolicy, Refused
+from hp.core.controller.state import StateError, dump, load
 from hp.core.protocol import GENERATION_KEY, JobState, plan_key, spare_key
-from hp.core.rescale import ElasticController
 from hp.core.scaling import ScaleEvent, ScaleTarget
 
 
@@ -203,3 +202,20 @@ def test_a_finishing_job_is_still_finishing_under_the_next_leader():
     new = Controller(ControllerConfig(nnodes=1), clock=Clock())
     load(new, j.states[-1], 0.0)
     assert new.finishing is True and new.generation == c.generation
+
+
+def test_the_durable_state_names_the_controller_by_its_policy():
+    """The state's ``kind`` is the policy's: a controller given the elastic policy is an elastic controller to
+    a replica that takes over, and the other kind is refused."""
+    j = Journal()
+    scaler = UnitScaler(min_replicas=1, max_replicas=8)
+    c = Controller(ControllerConfig(nnodes=1, max_nodes=2), clock=Clock(), publish=j.publish, persist=j.persist,
+                   policy=ElasticPolicy(scaler))
+    c.handle("join", {"node_rank": 0, "nproc": 2, "host": "h0", "spares": 1})
+    c.handle("scale", {"replicas": 1})
+    assert j.states[-1]["kind"] == "ElasticController" and j.states[-1]["elastic"]["capacity"] == 1
+    new = ElasticController(ControllerConfig(nnodes=1, max_nodes=2), scaler, clock=Clock())
+    new.take_over(j.states[-1], epoch=2)
+    assert (new.capacity, new.members, new.generation) == (1, c.members, c.generation)
+    with pytest.raises(StateError, match="is a ElasticController, this replica runs a Controller"):
+        load(Controller(ControllerConfig(nnodes=1)), j.states[-1], 0.0)

@@ -1,4 +1,4 @@
-"""The elastic controller (hp.core.rescale): shrink, grow, preemption and capacity, driven through
+"""The elastic controller (hp.core.controller.elastic): shrink, grow, preemption and capacity, driven through
 ``handle(verb, payload)`` with an injected clock and a publish function that records the store writes.
 
 The scaling decision comes from a small :class:`Scaler` written here (min/max/unit): hp-core's tests never
@@ -9,11 +9,10 @@ from __future__ import annotations
 
 import pytest
 
-from hp.core.controller import Controller, ControllerConfig, Refused
+from hp.core.controller import Controller, ControllerConfig, ElasticController, ElasticPolicy, Refused
 from hp.core.protocol import (
     GENERATION_KEY, Decision, FailureAction, JobState, Plan, SpareAssignment, plan_key, spare_key,
 )
-from hp.core.rescale import ElasticController
 from hp.core.scaling import CAPACITY, FAILURE, PREEMPTION, Scaler, ScaleEvent, ScaleTarget, renumber
 
 
@@ -754,3 +753,23 @@ def test_a_free_spare_that_dies_is_only_struck_off():
     generation = c.generation
     assert c.handle("spare_failed", {"node_rank": 1, "generation": c.generation, "spare": "n1s0"}) == {"free_spares": 1}
     assert c.generation == generation and decisions(c, Decision.SPARE_LOST)[-1]["spare"] == "n1s0"
+
+
+# ---- 11. the elastic job is a controller given the elastic policy ----------------------------------
+def test_a_controller_given_the_elastic_policy_decides_as_the_elastic_controller():
+    def run(make):
+        clock, store, scaler = Clock(), Store(), UnitScaler(2, 4)
+        c = make(ControllerConfig(nnodes=2, max_nodes=3), scaler, clock, store)
+        for n in range(2):
+            c.handle("join", {"node_rank": n, "nproc": 2, "host": f"h{n}"})
+        answers = [died(c, 1, 3), c.handle("join", {"node_rank": 2, "nproc": 1, "host": "h2"}),
+                   c.handle("spare_ready", {"node_rank": 2, "spare": "n2s0"}),
+                   c.handle("node_leaving", {"node_rank": 0, "generation": c.generation}),
+                   c.handle("scale", {"replicas": 2}), c.snapshot()]
+        return answers, [{k: v for k, v in d.items() if k != "t"} for d in c.decisions], store.writes
+
+    composed = run(lambda cfg, s, clock, store: Controller(cfg, clock=clock, publish=store, policy=ElasticPolicy(s)))
+    subclass = run(lambda cfg, s, clock, store: ElasticController(cfg, s, clock=clock, publish=store))
+    assert composed == subclass
+    assert [d["decision"] for d in composed[1]].count(Decision.SHRINK) == 1
+    assert composed[0][-1]["capacity"] == 2 and composed[0][-1]["min_replicas"] == 2

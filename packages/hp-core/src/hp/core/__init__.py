@@ -12,6 +12,7 @@ from typing import Any
 _EXPORTS = {
     "Endpoint": "hp.core.config", "RunConfig": "hp.core.config", "parse_endpoint": "hp.core.config",
     "Controller": "hp.core.controller", "ControllerConfig": "hp.core.controller",
+    "ElasticController": "hp.core.controller", "RecoveryPolicy": "hp.core.controller",
     "BackendUnavailableError": "hp.core.errors", "ControlPlaneError": "hp.core.errors", "HpError": "hp.core.errors",
     "UnknownBackendError": "hp.core.errors", "UsageError": "hp.core.errors",
     "hookimpl": "hp.core.hookspecs", "hookspec": "hp.core.hookspecs",

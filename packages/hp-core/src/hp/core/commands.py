@@ -159,10 +159,9 @@ def _add_controller(sub: argparse._SubParsersAction) -> None:
 
 def _controller(args: argparse.Namespace) -> int:
     from hp.core.control_plane import ControlServer
-    from hp.core.controller import Controller, ControllerConfig
+    from hp.core.controller import Controller, ControllerConfig, ElasticController
     from hp.core.plugins import get_backend
     from hp.core.protocol import JobState
-    from hp.core.rescale import ElasticController
     from hp.core.signed_values import sealing
 
     nnodes, max_nnodes = parse_nnodes(args.nnodes)
@@ -212,12 +211,11 @@ def _controller(args: argparse.Namespace) -> int:
 def _controller_replica(args: argparse.Namespace, nnodes: int, max_nnodes: int | None, scaler, token: str) -> int:
     """``hp controller --store etcd --rdzv-endpoint ETCD --run-id JOB``: one replica of the job's HA
     controller (:mod:`hp.core.leader`); it serves while it leads and waits while another does."""
-    from hp.core.controller import Controller, ControllerConfig
+    from hp.core.controller import Controller, ControllerConfig, ElasticController
     from hp.core.etcd_store import DEFAULT_PORT
     from hp.core.leader import ControllerReplica
     from hp.core.plugins import get_backend
     from hp.core.protocol import JobState
-    from hp.core.rescale import ElasticController
     from hp.core.signed_values import sealing
 
     if args.store != "etcd":

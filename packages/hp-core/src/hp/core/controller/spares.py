@@ -1,9 +1,10 @@
 """The controller's book of hot spares: which are free, on which node, which are ready.
 
-Part of the controller's state (:mod:`hp.core.controller`), kept apart so that the rules for
-choosing a spare live in one place. A spare is *ready* once it has said so (its imports are done
-and its hydration buffer is faulted in): promoting one that is still starting makes the whole job
-wait for its ``import torch``, seconds against the fraction of a second a ready one needs.
+Part of the job's book (:mod:`hp.core.controller.book`), kept apart so that the rules for choosing a
+spare live in one place (which one takes a dead rank is the recovery policy's call, from the order
+given here). A spare is *ready* once it has said so (its imports are done and its hydration buffer is
+faulted in): promoting one that is still starting makes the whole job wait for its ``import torch``,
+seconds against the fraction of a second a ready one needs.
 """
 
 from __future__ import annotations
