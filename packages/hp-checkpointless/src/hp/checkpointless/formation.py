@@ -37,8 +37,9 @@ class Formation:
     def __init__(self, *, rank: int, spare_id: str | None, node_rank: int, holder: str, store: dist.Store,
                  token: str, controller: ControlClient, machine: RecoveryMachine, link: GroupLink, events: EventLog,
                  fire: Callable[[int, str], None], refusals: Refusals | None = None,
-                 channel: Mirror | None = None) -> None:
+                 channel: Mirror | None = None, local_rank: int = -1) -> None:
         self.rank, self.spare_id, self.node_rank, self.holder = rank, spare_id, node_rank, holder
+        self.local_rank = local_rank  # its device on the node (WorkerEnv.local_rank): a spare keeps it when promoted
         self._store, self._controller, self._machine, self._link = store, controller, machine, link
         self._view = membership.JobView(store, token, refusals, channel)  # the sealed values this process acts on
         self._publish = sealing(store.set, token)
@@ -95,7 +96,7 @@ class Formation:
             self._prepare_receive_buffer(st, self._view)  # now, if the job published its size: ready means ready
         cpu = os.times()
         self._events.record(Event.SPARE_READY, spare=self.spare_id, cpu_s=round(cpu.user + cpu.system, 3),
-                            local_rank=int(os.environ.get("LOCAL_RANK", "-1")))  # its device, before any rank
+                            local_rank=self.local_rank)  # its device, before any rank
         try:
             self._controller.call(Verb.SPARE_READY, {"node_rank": self.node_rank, "spare": self.spare_id})
         except ControlPlaneError as e:  # best effort: a spare never heard from is still promoted when none is ready

@@ -360,7 +360,8 @@ class Watch:
                 pass
 
 
-def connect_store(host: str, port: int, timeout: timedelta = timedelta(seconds=60)) -> dist.Store:
+def connect_store(host: str, port: int, backend: str = "tcp", timeout: timedelta = timedelta(seconds=60)) -> dist.Store:
+    """A client of the job's store; ``backend``: the store plugin's name (:attr:`hp.core.worker_env.WorkerEnv.store`)."""
     from hp.core.plugins import get_backend
 
-    return get_backend("store", os.environ.get("HP_STORE", "tcp")).connect(host, port, timeout)
+    return get_backend("store", backend).connect(host, port, timeout)
