@@ -71,6 +71,9 @@ class Formation:
                 return
             except membership.JobFinished as e:
                 self._left(plan, -1, e)
+            except sharded.ShardLost as e:  # a mesh this generation cannot shard (a RuntimeError: not retried)
+                self.report("unrecoverable", str(e))
+                raise JobEnded(f"hp: {e}") from None
             except (CollectiveError, membership.Superseded, RuntimeError) as e:
                 self._failed(plan, e)
                 message = f"forming generation {plan.generation} failed: {e}"  # see reform
