@@ -58,7 +58,7 @@ want() { [[ -z ${ONLY:-} || " $ONLY " == *" $1 "* ]]; }  # ONLY="probe nccl": ju
 
 if want tests; then
   step gpu_tests 240 "$PY" -m pytest -m gpu -q -p no:xdist packages/hp-checkpointless/tests/test_devices_state.py \
-    packages/hp-checkpointless/tests/test_bench_hydrate.py
+    packages/hp-chaos/tests/test_bench_hydrate.py
 fi
 if want nccl; then  # one GPU: one rank, recovering in process; 3 faults in backward for the spread
   for i in 1 2 3; do

@@ -7,7 +7,7 @@ import json
 import subprocess
 
 import pytest
-from hp.chaos import bench_all
+from hp.chaos.bench import suite as bench_all
 from hp.testing import HP
 
 

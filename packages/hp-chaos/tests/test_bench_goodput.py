@@ -11,7 +11,7 @@ import subprocess
 import time
 
 import pytest
-from hp.chaos.bench_goodput import charge, goodput
+from hp.chaos.bench.goodput import charge, goodput
 from hp.checkpointless.demo.run import DemoConfig, RunResult, job_command
 from hp.checkpointless.events import read_events
 from hp.testing import HP, kill_tagged, tagged_pids, wait_for

@@ -8,7 +8,7 @@ import os
 import subprocess
 
 import pytest
-from hp.chaos.bench_recovery import aggregate, analyse_torchrun, every_rank_back
+from hp.chaos.bench.recovery import aggregate, analyse_torchrun, every_rank_back
 from hp.core.cli import main as hp_main
 from hp.testing import HP, kill_tagged, tagged_pids
 

@@ -1,5 +1,5 @@
 """An elastic hp job following a real Slurm (issue #15): ``hp slurm submit`` on a local Slurm of four fake
-nodes (munged, slurmctld, four slurmd; hp.testing.slurm_cluster), driven only through Slurm: another tenant's
+nodes (munged, slurmctld, four slurmd; hp.chaos.clusters.slurm), driven only through Slurm: another tenant's
 job leaving (grow 2 -> 4), a high-priority job preempting the units (4 -> 2 within the grace time), that job
 ending (back to 4), a node set DOWN (4 -> 3); both shrinks at a step boundary, though Slurm signals every
 process of a step. No Slurm command is mocked and no hp process is signalled by the test. Exact mode: every step's loss and every rank's final weights and optimizer state must equal a
@@ -120,8 +120,8 @@ def test_bench_elastic_slurm_bad_input_is_one_line():
 
 
 def test_bench_table_shows_medians_and_ranges_and_a_missing_figure_as_such():
-    from hp.chaos.bench_slurm_elastic import format_table
-    from hp.core.benchmeta import spread
+    from hp.chaos.bench.elastic_slurm import format_table
+    from hp.chaos.bench.meta import spread
 
     result = {"spread": {"shrink_s": spread([0.2, 0.25, 0.21]), "grow_s": spread([6.0, 6.5]),
                          "baseline_shrink_s": spread([8.9]), "baseline_grow_s": spread([])},

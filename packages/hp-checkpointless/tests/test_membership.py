@@ -14,10 +14,10 @@ import threading
 import pytest
 import torch.distributed as dist
 
+from hp.chaos.bench.control_nodes import counting
 from hp.checkpointless.membership import (
     JobFinished, JobView, Superseded, Watch, arrive, wait_for_assignment, wait_for_generation,
 )
-from hp.core.bench_control_nodes import counting
 from hp.core.fanout import Mirror, Relay
 from hp.core.protocol import (
     FINISHED_KEY, GENERATION_KEY, STATE_NBYTES_KEY, Plan, SpareAssignment, arrive_prefix, plan_key, spare_key,

@@ -16,8 +16,8 @@ from datetime import timedelta
 
 import pytest
 
+from hp.chaos.bench.failover import ReplicaSet
 from hp.core import etcd_store, get_backend
-from hp.core.bench_failover import ReplicaSet
 from hp.core.control_plane import ControlClient
 from hp.core.errors import ControlPlaneError
 from hp.core.leader import Deposed, LeaderResolver, Lease, StateKeeper

@@ -1,5 +1,5 @@
 """The ``slurm`` scheduler backend (hp.core.schedulers.slurm.backend, issue #15) against a real Slurm: munged, slurmctld and
-three slurmd as fake nodes (hp.testing.slurm_cluster), partitions ``low`` (requeued when preempted, 5 s of
+three slurmd as fake nodes (hp.chaos.clusters.slurm), partitions ``low`` (requeued when preempted, 5 s of
 grace) and ``high``. No Slurm command is mocked."""
 
 from __future__ import annotations
@@ -11,10 +11,10 @@ import sys
 import pytest
 from torchx import specs
 
+from hp.chaos.clusters.slurm import LocalSlurm
 from hp.core import get_backend
 from hp.core.errors import BackendUnavailableError
 from hp.core.schedulers.slurm.backend import SlurmError, SlurmScheduler
-from hp.testing.slurm_cluster import LocalSlurm
 from hp.testing import wait_for
 
 

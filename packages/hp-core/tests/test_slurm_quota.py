@@ -1,5 +1,5 @@
 """Quotas from Slurm QOS limits (hp.core.schedulers.slurm.quota, issue #15): the arithmetic without Slurm, then
-against a real Slurm with accounting (MariaDB + slurmdbd, hp.testing.slurm_accounting) enforcing the limits."""
+against a real Slurm with accounting (MariaDB + slurmdbd, hp.chaos.clusters.slurm_accounting) enforcing the limits."""
 
 from __future__ import annotations
 
@@ -10,12 +10,12 @@ import sys
 
 import pytest
 
+from hp.chaos.clusters.slurm import LocalSlurm
+from hp.chaos.clusters.slurm_accounting import set_qos
 from hp.core.schedulers.slurm.backend import SlurmError, SlurmScheduler
 from hp.core.schedulers.slurm.quota import QosLimits, quota_hosts
 from hp.core.schedulers.slurm.records import SlurmJob
 from hp.testing import wait_for
-from hp.testing.slurm_accounting import set_qos
-from hp.testing.slurm_cluster import LocalSlurm
 
 
 def _job(job_id: str, nodes: int, state: str = "RUNNING", qos: str = "q", user: str = "me") -> SlurmJob:

@@ -5,7 +5,7 @@
   node, partition, loss, storage, and for elastic jobs preempt, join;
 - the runner (:mod:`hp.chaos.runner`): reference vs faulted job, every expectation checked;
 - ``hp chaos run|report|faults``, the pytest plugin (:mod:`hp.chaos.pytest_plugin`), ``hp bench
-  recovery`` (:mod:`hp.chaos.bench_recovery`).
+  recovery`` (:mod:`hp.chaos.bench.recovery`).
 
 Names are imported on first use: the package itself stays importable without torch or
 hp-checkpointless (which the runner and the benchmarks need, the distribution does not).
@@ -36,7 +36,7 @@ _EXPORTS = {
     "TopologyError": "hp.chaos.topology",
     "cleanup_stale": "hp.chaos.topology",
     "MultiNodeJob": "hp.chaos.multinode",
-    "GoodputConfig": "hp.chaos.bench_goodput",
+    "GoodputConfig": "hp.chaos.bench.goodput",
     "simulate": "hp.chaos.goodput_sim",
 }
 

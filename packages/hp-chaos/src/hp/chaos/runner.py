@@ -6,7 +6,7 @@ ranks committed the step (:func:`hp.checkpointless.demo.run.differing_steps`), a
 state (:func:`hp.checkpointless.demo.run.compare_state`), against the reference; each fault's recovery (fault -> next commit, split into phases by
 :func:`hp.checkpointless.demo.run.recovery_timeline`), the failed generations, and goodput.
 
-**goodput** is ``hp bench goodput``'s (:func:`hp.chaos.bench_goodput.goodput`): 1 - the time the
+**goodput** is ``hp bench goodput``'s (:func:`hp.chaos.bench.goodput.goodput`): 1 - the time the
 faults cost / the faulted run's training window (rank 0's first to last commit), each fault's cost
 being its aftermath (the last commit before it -> rank 0's first commit after it of the step it hit or
 a later one, or after its ``duration_s`` for an outage, cut at the next fault) minus the new steps committed in it at the run's median step, never below 0: in [0, 1] by
@@ -42,7 +42,8 @@ import tempfile
 from dataclasses import asdict, replace
 from typing import Any
 
-from hp.chaos import bench_goodput, stacks
+from hp.chaos import stacks
+from hp.chaos.bench import goodput as bench_goodput
 from hp.chaos.faults import fault_kinds
 from hp.chaos.faults.base import FaultSpec
 from hp.chaos.finish import FinishAfter

@@ -1,4 +1,4 @@
-"""An elastic hp job following a real Slurm (:class:`hp.testing.slurm_cluster.LocalSlurm`) through its scale events.
+"""An elastic hp job following a real Slurm (:class:`hp.chaos.clusters.slurm.LocalSlurm`) through its scale events.
 
 The job is ``hp slurm submit`` (:mod:`hp.core.schedulers.slurm.job`) of the elastic demo (exact mode, a constant
 global batch): a base of ``min_nodes`` in partition ``high`` and one scaling unit per node above it in
@@ -15,7 +15,7 @@ what Slurm decides.
    its job and hp shrinks (``max`` → ``max - 1``); its new unit waits for a node that never comes back.
 
 With ``quota`` set, the cluster enforces QOS limits instead (MariaDB + slurmdbd,
-:mod:`hp.testing.slurm_accounting`) and the job runs under a QOS that lets one user hold ``quota`` nodes:
+:mod:`hp.chaos.clusters.slurm_accounting`) and the job runs under a QOS that lets one user hold ``quota`` nodes:
 it grows only to ``quota`` (the last unit pends, ``QOSMaxNodePerUserLimit``) and :meth:`capacity` says so;
 the quota is raised to ``max`` and the job grows into it (``quota`` → ``max``).
 
@@ -45,8 +45,8 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
 from typing import TYPE_CHECKING
 
+from hp.chaos.clusters.slurm import LocalSlurm
 from hp.core.schedulers.slurm.backend import SlurmCli
-from hp.testing.slurm_cluster import LocalSlurm
 from hp.core.schedulers.slurm.job import SlurmJobSpec, submit
 from hp.core.procs import free_port
 
@@ -165,7 +165,7 @@ class _Run:
 
     def drive_quota(self) -> None:
         """The QOS scenario (module docstring): grow to the quota, then into the raised quota."""
-        from hp.testing.slurm_accounting import set_qos
+        from hp.chaos.clusters.slurm_accounting import set_qos
 
         cfg, quota = self.cfg, self.cfg.quota
         submit(self.spec, self.token, self.cli)
@@ -297,7 +297,7 @@ def run_slurm_elastic(cfg: SlurmElasticConfig, cache: ReferenceCache | None = No
         run = _Run(cfg, slurm, root, policy, train_argv(demo, policy))
         try:
             if cfg.quota:
-                from hp.testing.slurm_accounting import set_qos
+                from hp.chaos.clusters.slurm_accounting import set_qos
 
                 set_qos(run.cli, QOS, MaxTRESPerUser=f"node={cfg.quota}")
                 run.drive_quota()

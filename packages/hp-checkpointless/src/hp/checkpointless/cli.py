@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from hp.checkpointless.demo.sizes import MODEL_SIZES
+from hp.checkpointless.demo.workload import add_workload_args
 from hp.checkpointless.faults import PHASES
 from hp.core.errors import UsageError
 from hp.core.hookspecs import hookimpl
@@ -70,7 +70,7 @@ def hp_cli_commands(subparsers: argparse._SubParsersAction) -> None:
     p.add_argument("--fault-rank", type=int, default=None, help="default: 1 (0 with --nproc 1)")
     p.add_argument("--nproc", type=int, default=4)
     p.add_argument("--spares", type=int, default=1)
-    p.add_argument("--model-size", choices=sorted(MODEL_SIZES), default="tiny")
+    add_workload_args(p, "model_size", choices=True)
     p.add_argument("--hang-timeout", type=float, default=2.0, help="seconds of silence before a hang is killed")
     p.add_argument("--zero", action="store_true",
                    help="shard the optimizer state (ZeroRedundancyOptimizer; shards replicated to a buddy rank)")

@@ -19,33 +19,6 @@ class _Parser(argparse.ArgumentParser):
         raise UsageError(f"{self.prog}: {message}")
 
 
-def int_list(text: str, flag: str, minimum: int, what: str) -> tuple[int, ...]:
-    """``"8,16,32"`` -> ``(8, 16, 32)`` for a benchmark's size flag; a one-line :class:`UsageError` when an
-    item is not an integer, none is given, or one is below ``minimum`` (``what`` names the rule)."""
-    try:
-        values = tuple(int(x) for x in text.split(",") if x.strip())
-    except ValueError:
-        raise UsageError(f"{flag}: comma-separated integers, got {text!r}") from None
-    if not values or min(values) < minimum:
-        raise UsageError(f"{flag}: {what}, got {text!r}")
-    return values
-
-
-def bench_group(subparsers: argparse._SubParsersAction) -> argparse._SubParsersAction | None:
-    """The ``hp bench`` sub-commands, for a plugin adding a benchmark from a ``trylast`` hook: hp-chaos's
-    group when hp-chaos is installed (None if its hook has not run yet: it adds its own later), else a
-    group started here."""
-    import importlib.util
-
-    parser = subparsers.choices.get("bench")
-    if parser is None and importlib.util.find_spec("hp.chaos") is not None:
-        return None  # hp-chaos's hook owns the group (hp backends lists each hook on its own parser)
-    if parser is None:
-        parser = subparsers.add_parser("bench", help="benchmarks")
-        parser.add_subparsers(title="benchmarks", metavar="BENCHMARK", required=True)
-    return next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="hp", description="hp: keep PyTorch training jobs making progress through faults.")
     parser.add_argument("--log-level", default="WARNING", type=str.upper,

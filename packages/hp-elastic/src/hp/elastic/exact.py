@@ -40,7 +40,7 @@ of s bytes (s = 4 for float32) and k micro-batches on the rank:
   all-reduce of P elements, ``8 * P`` bytes: twice the bytes of the float32 all-reduce it replaces;
 - compute: per saved micro-batch a copy into its slot and the zeroing of the buffer (when backward
   ends), a min/max pass and a quantize pass (read s, add 8 bytes per element); once per step a
-  dequantize pass. ``hp bench exact`` (:mod:`hp.elastic.bench_exact`) measures what this costs a step.
+  dequantize pass. ``hp bench exact`` (:mod:`hp.chaos.bench.exact`) measures what this costs a step.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""``hp ckpt daemon|ls|verify|gc`` and ``hp bench ckpt``.
+"""``hp ckpt daemon|ls|verify|gc`` (``hp bench ckpt`` is hp-chaos's: :mod:`hp.chaos.bench.ckpt`).
 
 Nothing heavy (torch) is imported while the parser is built: every ``hp`` invocation builds it.
 """
@@ -148,29 +148,11 @@ def _admin_key(path: str | None) -> str:
                          f"its admin key: {wire.ADMIN_KEY_FILE} in the daemon's --dir)") from None
 
 
-def _bench(args: argparse.Namespace) -> int:
-    from hp.tiered_ckpt.bench import run_bench_cli
-
-    return run_bench_cli(args)
-
-
 def _add_target(p: argparse.ArgumentParser) -> None:
     p.add_argument("namespace", help="checkpoint namespace (one per job)")
     p.add_argument("--url", help="persistent tier URL (s3://bucket/prefix, file:///fsx/ckpt, /path)")
     p.add_argument("--daemon", help="a node daemon's HOST:PORT (memory tier)")
     p.add_argument("--json", action="store_true")
-
-
-def add_bench_ckpt(bench: argparse._SubParsersAction) -> None:
-    p = bench.add_parser("ckpt", help="training-loop stall per save: hp memory tier vs DCP to S3 (sync, async)")
-    p.add_argument("--params", type=float, default=100e6, help="model parameters (default 100e6: ~1.2 GB with Adam)")
-    p.add_argument("--saves", type=int, default=3, help="warm saves per round (hp; DCP async does one more)")
-    p.add_argument("--rounds", type=int, default=3,
-                   help="rounds, each with a fresh daemon and a new DCP stager: cold samples (>= 3)")
-    p.add_argument("--json", action="store_true", help="after the table, the result as the last stdout line")
-    p.add_argument("--url", default=None, help="S3 URL to use (default: a SeaweedFS started for the run)")
-    p.add_argument("--dir", default=None, help="scratch directory (default: a new temporary one)")
-    p.set_defaults(handler=_bench)
 
 
 def add_daemon_args(d: argparse.ArgumentParser) -> None:
@@ -219,9 +201,3 @@ def hp_cli_commands(subparsers: argparse._SubParsersAction) -> None:
             s.add_argument("--admin-key-file", default=None,
                            help="with --daemon: the daemon's admin key (default: admin.key in the default --dir, "
                                 "/dev/shm/hp-ckpt-<uid>)")
-    # hp bench is hp-chaos's group; join it when present (this hook runs last), else start it
-    from hp.core.cli import bench_group
-
-    bench = bench_group(subparsers)
-    if bench is not None:
-        add_bench_ckpt(bench)

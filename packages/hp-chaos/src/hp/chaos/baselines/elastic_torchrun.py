@@ -87,7 +87,8 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from hp.chaos.baselines import train_elastic_torchrun as train
-from hp.chaos.bench_recovery import _phases, median_step
+from hp.chaos.bench.recovery import _phases, median_step
+from hp.checkpointless.demo.workload import workload_argv
 from hp.core.procs import free_port, kill_tagged
 
 EVENT_KINDS = ("kill", "grow", "preempt")
@@ -201,8 +202,7 @@ class ElasticBaselineConfig:
         return ["--steps", str(self.steps), "--global-batch", str(self.global_batch),
                 "--micro-batch", str(self.micro_batch), "--ckpt-every", str(self.ckpt_every),
                 "--save-on-sigterm" if self.save_on_sigterm else "--no-save-on-sigterm",
-                "--model-size", self.model_size, "--vocab", str(self.vocab), "--seq", str(self.seq),
-                "--corpus-mb", str(self.corpus_mb), "--seed", str(self.seed), "--log-dir", log_dir]
+                *workload_argv(self, "model_size", "vocab", "seq", "corpus_mb", "seed"), "--log-dir", log_dir]
 
 
 def _log(msg: str) -> None:

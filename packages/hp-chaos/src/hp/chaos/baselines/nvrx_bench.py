@@ -38,7 +38,8 @@ from itertools import pairwise
 from typing import Any
 
 from hp.chaos.baselines import nvrx_train
-from hp.chaos.bench_recovery import _phases
+from hp.chaos.bench.recovery import _phases
+from hp.checkpointless.demo.workload import workload_argv
 from hp.checkpointless.events import read_events
 from hp.core.protocol import Event
 from hp.core.procs import free_port, kill_tagged, tagged_pids
@@ -124,8 +125,8 @@ def run_job(cfg: Any, log_dir: str, monitor: str, fault_step: int,
     cmd = [sys.executable, "-m", nvrx_train.MODULE, "--steps", str(cfg.steps), "--fault-step", str(fault_step),
            "--fault-rank", str(cfg.fault_rank), "--active", str(cfg.nproc), "--log-dir", log_dir,
            "--nvrx-port", str(free_port()), "--nvrx", json.dumps(settings(monitor)["wrapper"]),
-           "--gloo-timeout", str(GLOO_TIMEOUT_S), "--model-size", cfg.model_size, "--corpus-mb", str(cfg.corpus_mb),
-           "--seed", str(cfg.seed), *cfg.train_args()]
+           "--gloo-timeout", str(GLOO_TIMEOUT_S), *workload_argv(cfg, "model_size", "corpus_mb", "seed"),
+           *cfg.train_args()]
     procs: list[subprocess.Popen] = []
     logs = [open(os.path.join(log_dir, f"rank{r}.log"), "w+") for r in range(world)]
     start = time.monotonic()

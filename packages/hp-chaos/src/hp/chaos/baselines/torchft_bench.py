@@ -36,12 +36,13 @@ from itertools import pairwise
 from typing import TYPE_CHECKING, Any
 
 from hp.chaos.baselines import torchft_ddp
+from hp.checkpointless.demo.workload import workload_argv
 from hp.checkpointless.events import read_events
 from hp.core.procs import free_port
 from hp.core.protocol import Event
 
 if TYPE_CHECKING:
-    from hp.chaos.bench_recovery import BenchConfig
+    from hp.chaos.bench.recovery import BenchConfig
 
 HEARTBEAT_TIMEOUT_MS = 5000  # torchft's default: how long the Lighthouse counts a silent group as alive
 JOIN_TIMEOUT_MS = 10000  # torchft's examples: how long a quorum waits for a heartbeating straggler
@@ -111,8 +112,7 @@ def run_job(cfg: BenchConfig, log_dir: str, fault_step: int) -> tuple[list[int],
     env = {"OMP_NUM_THREADS": "1", **os.environ, "TORCHFT_LIGHTHOUSE": lighthouse.address}
     args = ["-m", torchft_ddp.MODULE, "--replicas", str(cfg.nproc), "--min-replicas", str(cfg.nproc - 1),
             "--steps", str(cfg.steps), "--fault-step", str(fault_step), "--fault-replica", str(cfg.fault_rank),
-            "--log-dir", log_dir, "--model-size", cfg.model_size, "--corpus-mb", str(cfg.corpus_mb),
-            "--seed", str(cfg.seed), *cfg.train_args()]
+            "--log-dir", log_dir, *workload_argv(cfg, "model_size", "corpus_mb", "seed"), *cfg.train_args()]
     procs: list[subprocess.Popen] = []
     logs = [open(os.path.join(log_dir, f"replica{r}.log"), "w+") for r in range(cfg.nproc)]
     start = time.monotonic()
@@ -147,7 +147,7 @@ def _commits(events: list[dict], replica: int) -> dict[int, dict]:
 
 
 def median_step_time(commits: list[dict]) -> float | None:
-    """Median interval between consecutive commits (as ``bench_recovery.median_step``)."""
+    """Median interval between consecutive commits (as :func:`hp.chaos.bench.recovery.median_step`)."""
     times = sorted(e["t"] for e in commits)
     return statistics.median(b - a for a, b in pairwise(times)) if len(times) > 1 else None
 

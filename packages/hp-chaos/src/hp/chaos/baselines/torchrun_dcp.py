@@ -14,7 +14,7 @@ checkpoint and recomputes the steps after it.
 Each rank appends timestamped events (``started`` at the process's exec time, ``imported``,
 ``data_attached``, ``pg_ready``, ``model_ready``, ``restored``, ``commit`` per step with the loss as
 exact float hex, ``checkpoint_saved``, ``fault_injected``) to ``<log-dir>/events``, so
-:mod:`hp.chaos.bench_recovery` can say where the downtime goes. Heavy imports happen inside
+:mod:`hp.chaos.bench.recovery` can say where the downtime goes. Heavy imports happen inside
 :func:`main`, after ``started`` is taken: they are part of what a restart costs.
 """
 
@@ -27,6 +27,7 @@ import time
 from datetime import timedelta
 from typing import Any
 
+from hp.checkpointless.demo.workload import add_workload_args
 from hp.core.devices import pin_to_core
 from hp.core.protocol import Event
 
@@ -59,13 +60,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
     """The model and data every baseline script trains: the same shape, tokens and seed as hp's demo."""
-    p.add_argument("--model-size", default="tiny")
-    p.add_argument("--vocab", type=int, default=256)
-    p.add_argument("--seq", type=int, default=64)
+    add_workload_args(p)  # --seq --vocab --model-size --dropout --corpus-mb --seed
     p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--dropout", type=float, default=0.1)
-    p.add_argument("--corpus-mb", type=int, default=16)
-    p.add_argument("--seed", type=int, default=0)
 
 
 def corpus_key(corpus_mb: int, vocab: int, seed: int) -> str:

@@ -59,6 +59,7 @@ from datetime import timedelta
 from typing import Any
 
 from hp.chaos.baselines.torchrun_dcp import corpus_key, newest_checkpoint, process_start_time
+from hp.checkpointless.demo.workload import add_workload_args
 
 MODULE = "hp.chaos.baselines.train_elastic_torchrun"
 SIGTERM_EXIT = 128 + signal.SIGTERM  # what a worker stopped by SIGTERM returns (after its save)
@@ -72,13 +73,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--ckpt-every", type=int, default=5)
     p.add_argument("--save-on-sigterm", action=argparse.BooleanOptionalAction, default=True)
     p.add_argument("--log-dir", required=True, help="events/ and ckpt/ go here")
-    p.add_argument("--model-size", default="tiny")
-    p.add_argument("--vocab", type=int, default=256)
-    p.add_argument("--seq", type=int, default=64)
-    p.add_argument("--dropout", type=float, default=0.1)
+    add_workload_args(p)  # --seq --vocab --model-size --dropout --corpus-mb --seed
     p.add_argument("--lr", type=float, default=3e-3)
-    p.add_argument("--corpus-mb", type=int, default=16)
-    p.add_argument("--seed", type=int, default=0)
     p.add_argument("--pg-timeout", type=float, default=60.0, help="gloo collective timeout, seconds")
     args = p.parse_args(argv)
     if args.global_batch % args.micro_batch:

@@ -16,19 +16,15 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 from hp.checkpointless import StepLoader, StepSampler, recoverable
 from hp.checkpointless.overlap import OverlappedMeanReduction
 from hp.checkpointless.data import Batches, TokenCache, Windows, synthetic_corpus, tokenize
-from hp.checkpointless.demo.model import MODEL_SIZES, build_model, shard_model
+from hp.checkpointless.demo.model import build_model, shard_model
+from hp.checkpointless.demo.workload import add_workload_args
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--batch-size", type=int, default=8)
-    p.add_argument("--seq", type=int, default=64)
-    p.add_argument("--vocab", type=int, default=256)
-    p.add_argument("--model-size", choices=sorted(MODEL_SIZES), default="tiny")
-    p.add_argument("--dropout", type=float, default=0.1)
-    p.add_argument("--corpus-mb", type=int, default=16)
-    p.add_argument("--seed", type=int, default=0)
+    add_workload_args(p, choices=True)  # --seq --vocab --model-size --dropout --corpus-mb --seed
     p.add_argument("--threads", type=int, default=_default_threads(), metavar="N",
                    help="intra-op threads (torch.set_num_threads); default $OMP_NUM_THREADS, else 1: on more than one "
                         "thread PyTorch's CPU kernels are not bit-reproducible from run to run on a busy machine, and "

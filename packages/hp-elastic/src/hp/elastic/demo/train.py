@@ -18,8 +18,9 @@ from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from hp.checkpointless import StepLoader, StepSampler, recoverable
 from hp.checkpointless.data import TokenCache, Windows, synthetic_corpus, tokenize
-from hp.checkpointless.demo.model import MODEL_SIZES, build_model, shard_model
+from hp.checkpointless.demo.model import build_model, shard_model
 from hp.checkpointless.demo.train import add_checkpoint_args, job_checkpoint
+from hp.checkpointless.demo.workload import add_workload_args
 from hp.core.protocol import SCALING_POLICY_ENV
 from hp.elastic.lr import on_scale_lr
 from hp.elastic.policy import ScalingPolicy
@@ -29,12 +30,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--policy", default=os.environ.get(SCALING_POLICY_ENV), help="ScalingPolicy YAML (default: hp run's)")
-    p.add_argument("--seq", type=int, default=64)
-    p.add_argument("--vocab", type=int, default=256)
-    p.add_argument("--model-size", choices=sorted(MODEL_SIZES), default="tiny")
-    p.add_argument("--dropout", type=float, default=0.1)
-    p.add_argument("--corpus-mb", type=int, default=16)
-    p.add_argument("--seed", type=int, default=0)
+    add_workload_args(p, choices=True)  # --seq --vocab --model-size --dropout --corpus-mb --seed
     p.add_argument("--exact", action="store_true", help="exact mode: bit-identical at any world size")
     p.add_argument("--zero", action="store_true",
                    help="shard the optimizer state (ZeroRedundancyOptimizer), resharded at every scale event")

@@ -15,7 +15,7 @@
 Why hp resubmits a unit instead of letting Slurm requeue it (``PreemptMode=REQUEUE``): a unit whose
 ranks left within the grace time ends by itself, and Slurm records it COMPLETED, not requeued; a job
 requeued by ``scontrol requeue`` waits about 120 s (``BeginTime``) before it may start again (both seen
-on Slurm 22.05 with :class:`hp.testing.slurm_cluster.LocalSlurm`).
+on Slurm 22.05 with :class:`hp.chaos.clusters.slurm.LocalSlurm`).
 
 Everything a job's processes read is in ``job_dir`` (on a file system every node sees): ``spec.json``
 (this module's :class:`SlurmJobSpec`, JSON) and ``token`` (the job token), both 0600 in a 0700 directory;

@@ -39,8 +39,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from hp.chaos.bench.meta import BenchRun, module_main, report, spread
 from hp.core.auth import TOKEN_ENV
-from hp.core.benchmeta import BenchRun, module_main, report, spread
 from hp.core.errors import UsageError
 
 MODES = ("shm", "premapped", "tcp", "floor")
@@ -83,7 +83,7 @@ def run(cfg: HydrateBenchConfig) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="hp-bench-hydrate-") as tmp:
         port = free_port()
         env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", TOKEN_ENV: secrets.token_hex(16)}
-        procs = [subprocess.Popen([sys.executable, "-m", "hp.checkpointless.bench_hydrate", "--worker", str(rank),
+        procs = [subprocess.Popen([sys.executable, "-m", "hp.chaos.bench.hydrate", "--worker", str(rank),
                                    str(port), tmp, json.dumps(asdict(cfg))], env=env,
                                   stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) for rank in (0, 1)]
         try:
@@ -230,9 +230,11 @@ def _floor(mode: str, nbytes: int, device: str) -> float:
 
 # ---- the command ----------------------------------------------------------------------------------
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    from hp.checkpointless.demo.workload import add_workload_args
+
     d = HydrateBenchConfig()
-    p.add_argument("--model-size", default=d.model_size, help="tiny | small | 25m (~328 MB with AdamW)")
-    p.add_argument("--vocab", type=int, default=d.vocab)
+    add_workload_args(p, "model_size", "vocab", model_size=d.model_size, vocab=d.vocab,
+                      helps={"model_size": "tiny | small | 25m (~328 MB with AdamW)"})
     p.add_argument("--repeats", type=int, default=d.repeats)
     p.add_argument("--device", default=d.device, help="cpu | cuda (the state on the node's first GPU)")
     p.add_argument("--out", default=None, help="also write the result JSON here")
@@ -264,7 +266,7 @@ def main(argv: list[str] | None = None) -> int:
         rank, port, out, cfg = args[:4]
         _worker(int(rank), int(port), Path(out), HydrateBenchConfig(**json.loads(cfg)))
 
-    return module_main(argv, "python -m hp.checkpointless.bench_hydrate", __doc__, add_arguments, run_cli, worker)
+    return module_main(argv, "python -m hp.chaos.bench.hydrate", __doc__, add_arguments, run_cli, worker)
 
 
 if __name__ == "__main__":

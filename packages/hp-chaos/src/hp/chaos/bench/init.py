@@ -18,12 +18,12 @@ store, gloo on CPU), then checks it with one ``all_reduce`` (not timed). Variant
   no rank hosts, started before the ranks, a fresh job prefix per run: the durable store, for comparison
   (gloo does a wait and a get per peer: ~2N+1 HTTP requests per rank).
 
-On the same etcd it then times controller failover (``failover_s``, :mod:`hp.core.bench_failover`):
+On the same etcd it then times controller failover (``failover_s``, :mod:`hp.chaos.bench.failover`):
 SIGKILL of the leading HA controller replica until its standby answers.
 
 Sizes run in turn; within a size the variants alternate repeat by repeat, so drift on a shared
 machine hits them alike. One untimed 2-rank round per variant warms up first. Each figure is the
-median of the repeats with min, max and every value (:func:`hp.core.benchmeta.spread`).
+median of the repeats with min, max and every value (:func:`hp.chaos.bench.meta.spread`).
 """
 
 from __future__ import annotations
@@ -40,9 +40,8 @@ from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
-from hp.core.cli import int_list
+from hp.chaos.bench.meta import int_list
 from hp.core.errors import UsageError
-from hp.core.hookspecs import hookimpl
 
 DEFINITION_VERSION = 2  # 2: rootless is the agent-hosted forming store; etcd its own variant; failover_s
 VARIANTS = ("rootless", "tcpstore", "etcd")
@@ -56,7 +55,7 @@ class InitBenchConfig:
     variants: tuple[str, ...] = VARIANTS
     timeout_s: float = 180.0
     warmup: bool = True
-    failover_repeats: int = 5  # controller failovers timed (hp.core.bench_failover); 0: none
+    failover_repeats: int = 5  # controller failovers timed (hp.chaos.bench.failover); 0: none
     lease_s: int = 2
 
 
@@ -166,7 +165,7 @@ def _get(queue, deadline: float):
 def run_bench(cfg: InitBenchConfig, log=print) -> dict[str, Any]:
     import torch  # noqa: F401 -- imported once here, inherited by every forked rank
 
-    from hp.core.benchmeta import BenchRun, spread
+    from hp.chaos.bench.meta import BenchRun, spread
     from hp.core.etcd_store import EtcdServer, etcd_version
 
     run = BenchRun("init", DEFINITION_VERSION)
@@ -198,7 +197,7 @@ def run_bench(cfg: InitBenchConfig, log=print) -> dict[str, Any]:
                 row["rootless_over_tcpstore"] = row["rootless_s"] / row["tcpstore_s"]
             rows.append(row)
         if cfg.failover_repeats:
-            from hp.core.bench_failover import measure
+            from hp.chaos.bench.failover import measure
 
             failover = measure(etcd.endpoint, cfg.failover_repeats, cfg.lease_s, log)
             if not failover["state_intact"]:
@@ -280,10 +279,7 @@ def run_cli(args: argparse.Namespace) -> int:
     return 0 if result["completed"] else 1
 
 
-def add_bench_init(bench: argparse._SubParsersAction) -> None:
-    p = bench.add_parser("init", help="process-group init time at 8/16/32 ranks: rootless (a node agent's store, "
-                                      "hosted by no rank) against TCPStore hosted by rank 0, and on etcd; and the "
-                                      "HA controller's failover time")
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ranks", default="8,16,32", help="comma-separated world sizes (default 8,16,32)")
     p.add_argument("--repeats", type=int, default=3, help="timed formations per size and variant (default 3)")
     p.add_argument("--variants", default=",".join(VARIANTS), help=f"subset of {','.join(VARIANTS)}")
@@ -293,14 +289,4 @@ def add_bench_init(bench: argparse._SubParsersAction) -> None:
                    help="controller failovers to time on the same etcd (0: none; default 5)")
     p.add_argument("--lease", type=int, default=2, help="the HA controller's lease in seconds (default 2, as hp run)")
     p.add_argument("--json", action="store_true", help="after the table, the result as the last stdout line")
-    p.set_defaults(handler=run_cli)
 
-
-@hookimpl(trylast=True)
-def hp_cli_commands(subparsers: argparse._SubParsersAction) -> None:
-    """Join ``hp bench`` (hp-chaos's group) when present (this hook runs last), else start it."""
-    from hp.core.cli import bench_group
-
-    bench = bench_group(subparsers)
-    if bench is not None and "init" not in bench.choices:
-        add_bench_init(bench)

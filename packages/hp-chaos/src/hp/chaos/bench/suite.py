@@ -24,7 +24,7 @@ import time
 from datetime import datetime, timezone
 from typing import Any
 
-from hp.core.benchmeta import machine
+from hp.chaos.bench.meta import machine
 
 SCHEMA = "hp-bench-results/1"
 
@@ -36,15 +36,15 @@ SUITE: dict[str, tuple[list[str], list[str]]] = {
     "ckpt": (["--params", "25e6"], ["--params", "2e6", "--saves", "3", "--rounds", "3"]),
     "elastic": ([], ["--steps", "60", "--kill-step", "4"]),
     "exact": ([], ["--model-size", "tiny", "--steps", "6"]),
-    # hp-checkpointless's: hp's steady-state step against plain DDP (the 25m model, vocab 8192)
+    # hp's steady-state step against plain DDP (the 25m model, vocab 8192)
     "step": ([], ["--model-size", "tiny", "--vocab", "256", "--steps", "4", "--warmup", "1", "--repeats", "1",
                   "--corpus-mb", "1"]),
-    # hp-checkpointless's: a spare's hydration on one node (shared memory, gloo) against a memcpy
+    # a spare's hydration on one node (shared memory, gloo) against a memcpy
     "hydrate": ([], ["--model-size", "tiny", "--vocab", "256", "--repeats", "1"]),
-    # hp-checkpointless's: a node's start and end, workers forked from one server vs started cold
+    # a node's start and end, workers forked from one server vs started cold
     "start": (["--repeats", "5"], ["--repeats", "1", "--steps", "3"]),
-    "init": ([], ["--ranks", "2,4", "--repeats", "1"]),  # hp-core's: rootless vs TCPStore process-group init
-    # hp-core's: what learning about generations costs the store, per-rank polling vs the node relay
+    "init": ([], ["--ranks", "2,4", "--repeats", "1"]),  # rootless vs TCPStore process-group init
+    # what learning about generations costs the store, per-rank polling vs the node relay
     "control": ([], ["--sizes", "16,32", "--processes", "2", "--repeats", "1", "--changes", "2", "--idle", "1"]),
     # hp bench elastic --scheduler slurm: a job following a local Slurm (preemption, capacity back) vs torchrun + DCP
     "elastic_slurm": (["--scheduler", "slurm"], ["--scheduler", "slurm", "--cycles", "1", "--steps", "400"]),

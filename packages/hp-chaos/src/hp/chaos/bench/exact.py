@@ -33,7 +33,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from hp.core.benchmeta import BenchRun, module_main, report
+from hp.chaos.bench.meta import BenchRun, module_main, report
 from hp.core.devices import PIN_ENV, pin_to_core
 from hp.core.errors import UsageError
 
@@ -82,7 +82,7 @@ def run(cfg: ExactBenchConfig) -> dict[str, Any]:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", PIN_ENV: "1"}
     with tempfile.TemporaryDirectory(prefix="hp-bench-exact-") as tmp:
         out = Path(tmp)
-        procs = [subprocess.Popen([sys.executable, "-m", "hp.elastic.bench_exact", "--worker", str(rank), str(out), json.dumps(asdict(cfg))], env=env, stdout=subprocess.PIPE,
+        procs = [subprocess.Popen([sys.executable, "-m", "hp.chaos.bench.exact", "--worker", str(rank), str(out), json.dumps(asdict(cfg))], env=env, stdout=subprocess.PIPE,
                                   stderr=subprocess.STDOUT, text=True, start_new_session=True)
                  for rank in range(cfg.nproc)]
         try:
@@ -204,10 +204,11 @@ def format_table(r: dict[str, Any]) -> str:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    from hp.checkpointless.demo.workload import add_workload_args
+
     d = ExactBenchConfig()
-    p.add_argument("--model-size", default=d.model_size, help="tiny | small | 25m (the demo model)")
-    p.add_argument("--vocab", type=int, default=d.vocab)
-    p.add_argument("--seq", type=int, default=d.seq)
+    add_workload_args(p, "model_size", "vocab", "seq", model_size=d.model_size, vocab=d.vocab, seq=d.seq,
+                      helps={"model_size": "tiny | small | 25m (the demo model)"})
     p.add_argument("--micro-batches", type=int, default=d.micro_batches, help="micro-batches per rank per step")
     p.add_argument("--micro-batch", type=int, default=d.micro_batch, help="sequences per micro-batch")
     p.add_argument("--steps", type=int, default=d.steps, help="timed steps per mode")
@@ -230,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
         rank, out, cfg = args[:3]
         _worker(int(rank), Path(out), ExactBenchConfig(**json.loads(cfg)))
 
-    return module_main(argv, "python -m hp.elastic.bench_exact", __doc__, add_arguments, run_cli, worker)
+    return module_main(argv, "python -m hp.chaos.bench.exact", __doc__, add_arguments, run_cli, worker)
 
 
 if __name__ == "__main__":

@@ -41,7 +41,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from hp.core.benchmeta import BenchRun, module_main, report, spread
+from hp.chaos.bench.meta import BenchRun, module_main, report, spread
 from hp.core.devices import PIN_ENV
 from hp.core.errors import UsageError
 
@@ -115,7 +115,7 @@ def _job(cfg: StepBenchConfig, mode: str, out: Path) -> tuple[dict[str, list[flo
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", PIN_ENV: "1"}
     cmd = [sys.executable, "-m", "hp.core.cli", "run", "--nproc-per-node", str(cfg.nproc), "--rdzv-endpoint",
            f"127.0.0.1:{free_port()}", "--tee", "0", "--log-dir", str(out / "logs"), "--max-restarts", "0",
-           "-m", "hp.checkpointless.bench_step", "--worker", mode, str(out), json.dumps(asdict(cfg))]
+           "-m", "hp.chaos.bench.step", "--worker", mode, str(out), json.dumps(asdict(cfg))]
     try:
         done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=cfg.timeout_s)
     except subprocess.TimeoutExpired:
@@ -223,16 +223,17 @@ def _train_hp(out: Path, cfg: StepBenchConfig, overlap: bool, fsdp: bool) -> Non
 
 # ---- the command --------------------------------------------------------------------------------
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    from hp.checkpointless.demo.workload import add_workload_args
+
     d = StepBenchConfig()
-    p.add_argument("--model-size", default=d.model_size, help="tiny | small | 25m")
-    p.add_argument("--vocab", type=int, default=d.vocab)
-    p.add_argument("--seq", type=int, default=d.seq)
+    add_workload_args(p, "model_size", "vocab", "seq", model_size=d.model_size, vocab=d.vocab, seq=d.seq,
+                      helps={"model_size": "tiny | small | 25m"})
     p.add_argument("--batch-size", type=int, default=d.batch_size, help="sequences per rank and step")
     p.add_argument("--steps", type=int, default=d.steps, help="timed steps per job")
     p.add_argument("--warmup", type=int, default=d.warmup)
     p.add_argument("--repeats", type=int, default=d.repeats, help="jobs per mode, alternating")
     p.add_argument("--nproc", type=int, default=d.nproc)
-    p.add_argument("--corpus-mb", type=int, default=d.corpus_mb)
+    add_workload_args(p, "corpus_mb", corpus_mb=d.corpus_mb)
     p.add_argument("--out", default=None, help="also write the result JSON here")
     p.add_argument("--json", action="store_true", help="last stdout line: one JSON object")
 
@@ -266,7 +267,7 @@ def main(argv: list[str] | None = None) -> int:
         mode, out, cfg = args[:3]
         _worker(mode, Path(out), StepBenchConfig(**json.loads(cfg)))
 
-    return module_main(argv, "python -m hp.checkpointless.bench_step", __doc__, add_arguments, run_cli, worker)
+    return module_main(argv, "python -m hp.chaos.bench.step", __doc__, add_arguments, run_cli, worker)
 
 
 if __name__ == "__main__":

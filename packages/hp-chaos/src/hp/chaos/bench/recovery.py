@@ -51,6 +51,7 @@ from itertools import pairwise
 from typing import Any
 
 from hp.chaos.baselines import torchft_bench, torchrun_dcp
+from hp.chaos.bench.meta import BenchRun, spread
 from hp.checkpointless.demo.run import (
     DemoConfig,
     RunResult,
@@ -60,8 +61,8 @@ from hp.checkpointless.demo.run import (
     recovery_timeline,
     sharded_parts,
 )
+from hp.checkpointless.demo.workload import workload_argv
 from hp.checkpointless.events import read_events
-from hp.core.benchmeta import BenchRun, spread
 from hp.core.devices import PIN_ENV
 from hp.core.procs import free_port
 from hp.core.protocol import Event
@@ -270,8 +271,7 @@ def run_torchrun(cfg: BenchConfig, root: str, i: int) -> dict[str, Any]:
            "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
            "-m", torchrun_dcp.MODULE, "--steps", str(cfg.steps), "--fault-step", str(cfg.fault_step),
            "--fault-rank", str(cfg.fault_rank), "--ckpt-every", str(cfg.ckpt_every), "--log-dir", log_dir,
-           "--model-size", cfg.model_size, "--corpus-mb", str(cfg.corpus_mb), "--seed", str(cfg.seed),
-           *cfg.train_args()]
+           *workload_argv(cfg, "model_size", "corpus_mb", "seed"), *cfg.train_args()]
     _log(f"torchrun + DCP: faulted job {i + 1}/{cfg.repeats}")
     rc, wall, out = _run(cmd, dict(os.environ), cfg.timeout_s, os.path.join(log_dir, "output.log"))
     result = {"completed": rc == 0, "wall_s": wall,

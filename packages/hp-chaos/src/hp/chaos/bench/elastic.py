@@ -25,7 +25,7 @@ import statistics
 import tempfile
 from dataclasses import asdict, dataclass
 
-from hp.core.benchmeta import BenchRun
+from hp.chaos.bench.meta import BenchRun
 
 DEFINITION_VERSION = 1  # pause = first commit at the new size - last before the event - a step at the new size
 

@@ -7,7 +7,7 @@ takes to reach every rank, for the two designs of issue #14, in one run:
   store; each rank keeps a :class:`~hp.core.fanout.Mirror` of its node's channel.
 
 Ranks are threads (mostly blocked) of simulated nodes of ``ranks_per_node``, spread over ``processes``
-processes (:mod:`hp.core.bench_control_nodes`: in a job every rank has its own process, so no one
+processes (:mod:`hp.chaos.bench.control_nodes`: in a job every rank has its own process, so no one
 interpreter lock serialises them all), against one real store: a ``TCPStore`` this process hosts, or with
 ``--store etcd`` a real etcd (:class:`hp.core.etcd_store.EtcdServer`). The harness plays the controller:
 it publishes sealed plans (one holder per rank, as big as a real plan), then the generation, as
@@ -20,7 +20,7 @@ it publishes sealed plans (one holder per rank, as big as a real plan), then the
   the p50, p99 and max over the ranks, ``changes`` changes per repeat. Verifying the plan is each rank's
   own work, on its own core in a job: ``plan_verify_s`` times it (one rank, that size's plan).
   Figures are medians over every change of every repeat with min, max and values
-  (:func:`hp.core.benchmeta.spread`).
+  (:func:`hp.chaos.bench.meta.spread`).
 - projection to ``project_to`` ranks: requests/s at the store = per-rank rate x ranks (neither design's
   per-rank rate depends on the number of ranks); fan-out p99: least-squares line over the sizes measured,
   extrapolated; and, for the relay, by stage: on a cluster the nodes receive in parallel, so only the
@@ -42,11 +42,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from hp.core.bench_control_nodes import POLL_S, TOKEN, GroupSpec
-from hp.core.cli import int_list
+from hp.chaos.bench.control_nodes import POLL_S, TOKEN, GroupSpec
+from hp.chaos.bench.meta import int_list
 from hp.core.errors import UsageError
 from hp.core.fanout import RELAY_WAIT_S
-from hp.core.hookspecs import hookimpl
 from hp.core.protocol import GENERATION_KEY, Plan, plan_key
 
 DEFINITION_VERSION = 1
@@ -106,7 +105,7 @@ class _Trial:
         return [pipe.recv() for pipe in self._pipes]
 
     def start(self, ctx: Any) -> None:
-        from hp.core import bench_control_nodes
+        from hp.chaos.bench import control_nodes
 
         self._publish()
         per, host_port_job = self.cfg.ranks_per_node, self._store
@@ -117,7 +116,7 @@ class _Trial:
             spec = GroupSpec(self.mode, first, count, per, min(count * per, self.ranks - first * per),
                              self.cfg.relay_wait_s, self.cfg.store, *host_port_job, self.cfg.timeout_s)
             here, there = ctx.Pipe()
-            self._procs.append(ctx.Process(target=bench_control_nodes.serve, args=(there, spec), daemon=True))
+            self._procs.append(ctx.Process(target=control_nodes.serve, args=(there, spec), daemon=True))
             self._procs[-1].start()
             self._pipes.append(here)
         for pipe in self._pipes:
@@ -197,13 +196,13 @@ def _fit(points: list[tuple[int, float]], at: int, unit: str = "ranks") -> dict[
 def run_bench(cfg: ControlBenchConfig, log: Callable[[str], None] = print) -> dict[str, Any]:
     import multiprocessing
 
-    from hp.core.benchmeta import BenchRun, spread
+    from hp.chaos.bench.meta import BenchRun, spread
     from hp.core.plugins import get_backend
 
     run = BenchRun("control", DEFINITION_VERSION)
     backend = get_backend("store", cfg.store)
     ctx = multiprocessing.get_context("forkserver")  # the processes of simulated nodes: torch imported once
-    ctx.set_forkserver_preload(["torch.distributed", "hp.core.bench_control_nodes", "hp.core.fanout"])
+    ctx.set_forkserver_preload(["torch.distributed", "hp.chaos.bench.control_nodes", "hp.core.fanout"])
     etcd = None
     if cfg.store == "etcd":
         from hp.core.etcd_store import EtcdServer
@@ -357,9 +356,7 @@ def run_cli(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_bench_control(bench: argparse._SubParsersAction) -> None:
-    p = bench.add_parser("control", help="store requests per rank at idle and generation fan-out time: per-rank "
-                                         "polling against the per-node relay (hp.core.fanout), projected to 16k ranks")
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sizes", default="250,500,1000", help="comma-separated numbers of ranks (default 250,500,1000)")
     p.add_argument("--ranks-per-node", type=int, default=8, help="ranks per simulated node (default 8)")
     p.add_argument("--processes", type=int, default=4, help="processes the simulated nodes are spread over "
@@ -372,14 +369,4 @@ def add_bench_control(bench: argparse._SubParsersAction) -> None:
     p.add_argument("--store", choices=("tcp", "etcd"), default="tcp", help="the job's store (default tcp)")
     p.add_argument("--timeout", type=float, default=60.0, help="seconds a change may take to reach every rank")
     p.add_argument("--json", action="store_true", help="after the table, the result as the last stdout line")
-    p.set_defaults(handler=run_cli)
 
-
-@hookimpl(trylast=True)
-def hp_cli_commands(subparsers: argparse._SubParsersAction) -> None:
-    """Join ``hp bench`` (hp-chaos's group when present: this hook runs last), else start it."""
-    from hp.core.cli import bench_group
-
-    bench = bench_group(subparsers)
-    if bench is not None and "control" not in bench.choices:
-        add_bench_control(bench)

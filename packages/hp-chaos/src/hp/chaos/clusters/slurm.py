@@ -19,10 +19,10 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 
+from hp.chaos.clusters.slurm_accounting import Accounting
 from hp.core.errors import BackendUnavailableError
+from hp.core.procs import free_port, kill_tagged
 from hp.core.schedulers.slurm.backend import SlurmCli, SlurmError
-from hp.testing.slurm_accounting import Accounting
-from hp.testing import free_port, kill_tagged
 
 DAEMONS = ("munged", "slurmctld", "slurmd")
 TAG = "HP_LOCAL_SLURM"  # in every daemon's environment, and so in every slurmstepd's: what close() kills
@@ -37,7 +37,7 @@ class LocalSlurm:
     memory_mb: int = 2048
     grace_s: int = 5
     slurmd_timeout_s: int = 5
-    accounting: bool = False  # MariaDB + slurmdbd: QOS limits enforced (hp.testing.slurm_accounting)
+    accounting: bool = False  # MariaDB + slurmdbd: QOS limits enforced (hp.chaos.clusters.slurm_accounting)
     root: str = ""
     env: dict[str, str] = field(default_factory=dict)
     _procs: list[subprocess.Popen] = field(default_factory=list)

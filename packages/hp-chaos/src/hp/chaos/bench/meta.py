@@ -1,4 +1,4 @@
-"""What every ``hp bench`` result carries, and how a benchmark keeps ranks from sharing cores.
+"""What every ``hp bench`` result carries, and how a bench command ends with it.
 
 A figure means something only with its definition, its spread and the machine it ran on. Every
 benchmark wraps its run in :class:`BenchRun` and returns ``run.stamp(result)``: the result gains
@@ -9,9 +9,10 @@ benchmark wraps its run in :class:`BenchRun` and returns ``run.stamp(result)``: 
 - ``load_avg`` before and after (a run on a loaded machine says so), and ``bench_wall_s``.
 
 :func:`spread` is the one shape of a repeated measurement: median, min, max, n and the values.
-:func:`pin_to_core` is the one way a benchmark process takes a core of its own (``HP_PIN_CORES=1``):
-ranks that share cores finish faster while another idles, which no user with one accelerator per
-rank would see.
+:func:`hp.core.devices.pin_to_core` is the one way a benchmark process takes a core of its own
+(``HP_PIN_CORES=1``): ranks that share cores finish faster while another idles, which no user with one
+accelerator per rank would see. :func:`report` and :func:`print_result` are the two ways a bench command
+ends (the table, then ``--json``'s last line); :func:`int_list` reads a size flag.
 """
 
 from __future__ import annotations
@@ -76,6 +77,31 @@ class BenchRun:
                 "machine": machine(),
                 "load_avg": {"before": list(self.load_before), "after": list(os.getloadavg())},
                 "bench_wall_s": time.monotonic() - self.started}
+
+
+def int_list(text: str, flag: str, minimum: int, what: str) -> tuple[int, ...]:
+    """``"8,16,32"`` -> ``(8, 16, 32)`` for a benchmark's size flag; a one-line :class:`UsageError` when an
+    item is not an integer, none is given, or one is below ``minimum`` (``what`` names the rule)."""
+    from hp.core.errors import UsageError
+
+    try:
+        values = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise UsageError(f"{flag}: comma-separated integers, got {text!r}") from None
+    if not values or min(values) < minimum:
+        raise UsageError(f"{flag}: {what}, got {text!r}")
+    return values
+
+
+def print_result(result: dict[str, Any], table: str, as_json: bool, ok: str = "completed") -> int:
+    """The table for people, then (``--json``) the result as the last stdout line; the exit code: 0 when
+    ``result[ok]`` holds."""
+    import json
+
+    print(table, flush=True)
+    if as_json:
+        print(json.dumps(result), flush=True)
+    return 0 if result[ok] else 1
 
 
 def report(result: dict[str, Any], table: str, args: Any) -> int:

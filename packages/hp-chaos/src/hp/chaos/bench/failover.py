@@ -101,7 +101,7 @@ def one_failover(etcd_endpoint: str, lease_s: int) -> dict[str, Any]:
 
 
 def measure(etcd_endpoint: str, repeats: int = 5, lease_s: int = 2, log=print) -> dict[str, Any]:
-    from hp.core.benchmeta import spread
+    from hp.chaos.bench.meta import spread
 
     samples = []
     for i in range(repeats):

@@ -32,7 +32,6 @@ The S3 endpoint is a SeaweedFS started for the run (``weed`` from ``seaweedfs-bi
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import shutil
@@ -43,8 +42,8 @@ import time
 from pathlib import Path
 from unittest.mock import patch
 
+from hp.chaos.bench.meta import BenchRun, print_result, spread
 from hp.core.auth import new_token
-from hp.core.benchmeta import BenchRun, spread
 from hp.core.errors import UsageError
 from hp.core.procs import free_port, wait_for
 
@@ -457,16 +456,17 @@ def format_table(r: dict) -> str:
     return "\n".join(lines)
 
 
-def _print_result(result: dict, table: str, as_json: bool, ok: str = "completed") -> int:
-    """The table for people, then (``--json``) the result as the last stdout line; the exit code
-    (as hp-chaos's ``hp bench`` commands do)."""
-    print(table, flush=True)
-    if as_json:
-        print(json.dumps(result), flush=True)
-    return 0 if result[ok] else 1
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--params", type=float, default=100e6, help="model parameters (default 100e6: ~1.2 GB with Adam)")
+    p.add_argument("--saves", type=int, default=3, help="warm saves per round (hp; DCP async does one more)")
+    p.add_argument("--rounds", type=int, default=3,
+                   help="rounds, each with a fresh daemon and a new DCP stager: cold samples (>= 3)")
+    p.add_argument("--json", action="store_true", help="after the table, the result as the last stdout line")
+    p.add_argument("--url", default=None, help="S3 URL to use (default: a SeaweedFS started for the run)")
+    p.add_argument("--dir", default=None, help="scratch directory (default: a new temporary one)")
 
 
-def run_bench_cli(args: argparse.Namespace) -> int:
+def run_cli(args: argparse.Namespace) -> int:
     if not math.isfinite(args.params) or args.params < 1000:
         raise UsageError(f"--params must be a number >= 1000, got {args.params:g}")
     if args.saves < 1:
@@ -493,4 +493,4 @@ def run_bench_cli(args: argparse.Namespace) -> int:
     finally:
         if not args.dir:  # ours: a temporary directory (the daemons' logs); kept when --dir was given
             shutil.rmtree(workdir, ignore_errors=True)
-    return _print_result(result, format_table(result), args.json)
+    return print_result(result, format_table(result), args.json)

@@ -24,7 +24,7 @@ import os
 import tempfile
 from dataclasses import asdict, dataclass
 
-from hp.core.benchmeta import BenchRun, spread
+from hp.chaos.bench.meta import BenchRun, spread
 
 DEFINITION_VERSION = 1  # event -> first commit at the new size (shrink: from the notice; grow: from capacity back)
 

@@ -30,7 +30,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from hp.core.benchmeta import BenchRun, report, spread
+from hp.chaos.bench.meta import BenchRun, report, spread
 from hp.core.errors import UsageError
 
 METHODS = ("spawn", "forkserver")
@@ -96,13 +96,15 @@ def run(cfg: StartBenchConfig) -> dict[str, Any]:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    from hp.checkpointless.demo.workload import add_workload_args
+
     d = StartBenchConfig()
     p.add_argument("--nproc", type=int, default=d.nproc, help="ranks on the node")
     p.add_argument("--spares", type=int, default=d.spares, help="hot spares on the node")
     p.add_argument("--steps", type=int, default=d.steps, help="training steps per job")
     p.add_argument("--repeats", type=int, default=d.repeats, help="jobs per start method, alternating")
-    p.add_argument("--model-size", default=d.model_size, help="tiny | small | 25m")
-    p.add_argument("--corpus-mb", type=int, default=d.corpus_mb)
+    add_workload_args(p, "model_size", "corpus_mb", model_size=d.model_size, corpus_mb=d.corpus_mb,
+                      helps={"model_size": "tiny | small | 25m"})
     p.add_argument("--out", default=None, help="also write the result JSON here")
     p.add_argument("--json", action="store_true", help="last stdout line: one JSON object")
 

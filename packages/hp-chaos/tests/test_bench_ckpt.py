@@ -17,9 +17,19 @@ from unittest.mock import patch
 
 import pytest
 
-from hp.tiered_ckpt import bench
+from hp.chaos.bench import ckpt as bench
 
 ROUNDS, SAVES = 3, 1
+
+
+@pytest.fixture(scope="module")
+def s3():
+    """A real SeaweedFS S3 endpoint for this module (as hp-tiered-ckpt's tests start one)."""
+    from hp.tiered_ckpt.seaweed import SeaweedS3
+
+    server = SeaweedS3().start()
+    yield server
+    server.stop()
 
 
 @pytest.fixture(scope="module")
@@ -182,3 +192,20 @@ def test_wait_idle_returns_only_once_checksummed_and_quiet(tmp_path):
     finally:
         d.stop()
     assert not d.shm.exists()
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["bench", "ckpt", "--params", "10"], "--params must be a number >= 1000"),
+    (["bench", "ckpt", "--params", "-1"], "--params must be a number >= 1000"),
+    (["bench", "ckpt", "--params", "nan"], "--params must be a number >= 1000"),
+    (["bench", "ckpt", "--saves", "0"], "--saves must be >= 1"),
+    (["bench", "ckpt", "--rounds", "2"], "--rounds must be >= 3"),
+    (["bench", "ckpt", "--saves", "x"], "invalid int value"),
+])
+def test_bad_input_is_one_line_exit_2(argv, message, capsys):
+    """A bad flag is one line on stderr and exit 2, before anything starts."""
+    from hp.core.cli import main
+
+    code = main(argv)
+    err = capsys.readouterr().err
+    assert code == 2 and message in err and len(err.strip().splitlines()) == 1, err

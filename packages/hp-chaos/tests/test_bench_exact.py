@@ -8,8 +8,8 @@ import sys
 
 import pytest
 
+from hp.chaos.bench.exact import ExactBenchConfig, format_table, run
 from hp.core.errors import UsageError
-from hp.elastic.bench_exact import ExactBenchConfig, format_table, run
 
 pytest.importorskip("hp.checkpointless.demo.model")
 
@@ -34,12 +34,12 @@ def test_bad_settings_are_one_line_usage_errors():
         run(ExactBenchConfig(model_size="huge"))
     with pytest.raises(UsageError, match="nproc"):
         run(ExactBenchConfig(nproc=1))
-    out = subprocess.run([sys.executable, "-m", "hp.elastic.bench_exact", "--steps", "0"], capture_output=True,
+    out = subprocess.run([sys.executable, "-m", "hp.chaos.bench.exact", "--steps", "0"], capture_output=True,
                          text=True, timeout=60)
     assert out.returncode == 2 and out.stderr.count("\n") == 1 and "--steps" in out.stderr
 
 
 def test_import_does_not_load_torch():
-    code = "import sys, hp.elastic.bench_exact; print('torch' in sys.modules)"
+    code = "import sys, hp.chaos.bench.exact; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0 and out.stdout.strip() == "False", out.stderr

@@ -1,4 +1,4 @@
-"""The simulated nodes of ``hp bench control`` (:mod:`hp.core.bench_control`): one process holds a share of
+"""The simulated nodes of ``hp bench control`` (:mod:`hp.chaos.bench.control`): one process holds a share of
 them, their ranks as threads, and answers the harness over a pipe.
 
 A rank of ``per_rank_poll`` is a thread with its own store client that does what a worker's watch thread

@@ -1,4 +1,4 @@
-"""Slurm accounting for :class:`hp.testing.slurm_cluster.LocalSlurm`: a private MariaDB and ``slurmdbd``, so
+"""Slurm accounting for :class:`hp.chaos.clusters.slurm.LocalSlurm`: a private MariaDB and ``slurmdbd``, so
 QOS limits (quotas) are real and enforced (``AccountingStorageEnforce=associations,limits,qos``).
 
 Debian's ``mariadb-server`` and ``slurmdbd`` (``scripts/setup.sh`` installs them when root). The database
@@ -20,8 +20,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from hp.core.errors import BackendUnavailableError
+from hp.core.procs import free_port
 from hp.core.schedulers.slurm.backend import SlurmCli, SlurmError, current_user
-from hp.testing import free_port
 
 DAEMONS = ("mariadbd", "mariadb-install-db", "slurmdbd")
 ACCOUNT = "hp"

@@ -46,10 +46,10 @@ import time
 from dataclasses import asdict, dataclass
 from itertools import pairwise
 
+from hp.chaos.bench.meta import BenchRun, spread
 from hp.chaos.multinode import recovery_after
 from hp.checkpointless.demo.run import DemoConfig, RunResult, differing_steps, job_command
 from hp.checkpointless.events import read_events
-from hp.core.benchmeta import BenchRun, spread
 from hp.core.devices import PIN_ENV
 from hp.core.protocol import Decision, Event
 
