@@ -45,12 +45,11 @@ from typing import Any
 from hp.chaos import stacks
 from hp.chaos.bench import goodput as bench_goodput
 from hp.chaos.faults import fault_kinds
-from hp.chaos.faults.base import FaultSpec
 from hp.chaos.finish import FinishAfter
 from hp.chaos.references import ReferenceCache, checkpoint_storage, fault_free_run, storage_env
 from hp.chaos.launch import JobRun, run_job
 from hp.chaos.reproducible import reference_recheck
-from hp.chaos.scenario import JobSpec, Scenario
+from hp.chaos.scenario import Scenario
 from hp.checkpointless.events import finished_at
 from hp.checkpointless.demo.run import (RunResult, compare, compare_state, differing_steps, final_states,
                                         recovery_timeline, step_time)
