@@ -9,7 +9,6 @@ import copy
 import json
 import os
 import signal
-import socket
 import subprocess
 import threading
 import time
