@@ -8,7 +8,8 @@ import os
 import subprocess
 
 import pytest
-from hp.chaos.bench.recovery import aggregate, analyse_torchrun, every_rank_back
+from hp.chaos.bench.recovery import aggregate, analyse_torchrun
+from hp.chaos.bench.recovery_common import every_rank_back
 from hp.core.cli import main as hp_main
 from hp.testing import HP, kill_tagged, tagged_pids
 

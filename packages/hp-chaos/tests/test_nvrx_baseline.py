@@ -11,7 +11,7 @@ from datetime import timedelta
 
 import pytest
 from hp.chaos.baselines import nvrx_bench
-from hp.chaos.bench.recovery import BenchConfig
+from hp.chaos.bench.recovery_common import BenchConfig
 from hp.checkpointless.events import read_events
 from hp.testing import kill_tagged, tagged_pids
 from nvidia_resiliency_ext import inprocess

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 from hp.chaos.baselines import torchft_bench
-from hp.chaos.bench.recovery import BenchConfig
+from hp.chaos.bench.recovery_common import BenchConfig
 
 def _commit(t: float, rank: int, step: int, loss: str, participants: int = 4, weights: str = "") -> dict:
     return {"t": t, "event": "commit", "rank": rank, "attempt": 0, "step": step, "loss": loss,

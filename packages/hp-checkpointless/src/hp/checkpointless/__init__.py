@@ -25,6 +25,8 @@ _EXPORTS = {
 }
 
 __all__ = sorted(_EXPORTS)
+# the modules behind these names: what a node's fork server imports before it forks workers (cli.py)
+RUNTIME_MODULES = tuple(sorted(set(_EXPORTS.values())))
 
 
 def __getattr__(name: str) -> Any:

@@ -54,9 +54,9 @@ def _train_args(args: argparse.Namespace) -> list[str]:
 def hp_forkserver_preload() -> list[str]:
     """What a script that uses hp's runtime imports (the modules behind this package's names): a forked
     worker or spare finds them imported (~1 CPU s each on the 2-core box)."""
-    from hp.checkpointless import _EXPORTS
+    from hp.checkpointless import RUNTIME_MODULES
 
-    return sorted(set(_EXPORTS.values()))
+    return list(RUNTIME_MODULES)
 
 
 @hookimpl

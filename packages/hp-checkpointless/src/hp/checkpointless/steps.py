@@ -35,9 +35,9 @@ class Step(int):
     _loop: StepLoop
 
     def __new__(cls, value: int, loop: StepLoop) -> Step:
-        obj = super().__new__(cls, value)
-        obj._loop = loop
-        return obj
+        self = super().__new__(cls, value)
+        self._loop = loop
+        return self
 
     def __enter__(self) -> Step:
         self._loop.enter(self)

@@ -71,6 +71,21 @@ def _client(cfg: TieredConfig) -> DaemonClient:
     return _CLIENTS[key]
 
 
+def mapped_slots() -> list[str]:
+    """The daemon's slot files this process has mapped (and keeps mapped across saves)."""
+    return list(_MAPPINGS)
+
+
+def release(shm_dir: str, cfg: TieredConfig) -> None:
+    """Unmap this process's slot files under ``shm_dir`` and close its connection to ``cfg``'s daemon: a daemon
+    that is gone (a benchmark's, a test's) otherwise stays mapped in /dev/shm until this process exits."""
+    for path in [p for p in _MAPPINGS if p.startswith(f"{shm_dir}/")]:
+        _MAPPINGS.pop(path).close()
+    client = _CLIENTS.pop((cfg.daemon_addr(), cfg.token), None)
+    if client is not None:
+        client.close()
+
+
 class TieredWriter(StorageWriter):
     def __init__(self, cfg: TieredConfig, step: int, persist: bool | None = None) -> None:
         super().__init__()

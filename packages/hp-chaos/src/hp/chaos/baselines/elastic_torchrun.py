@@ -87,7 +87,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from hp.chaos.baselines import train_elastic_torchrun as train
-from hp.chaos.bench.recovery import _phases, median_step
+from hp.chaos.bench.recovery_common import median_step, phases
 from hp.checkpointless.demo.workload import workload_argv
 from hp.core.procs import free_port, kill_tagged
 
@@ -517,7 +517,7 @@ def analyse(events: list[dict], fired: list[dict], steps: int, nproc_per_node: i
             "world_before": last["world"], "world_after": first["world"], "world_settled": settled,
             "world_expected": expected, "world_as_expected": settled == expected,
             "rounds": len({c["pid"] for c in new}),
-            "phases": _phases(marks),
+            "phases": phases(marks),
         })
         out_events.append(row)
 

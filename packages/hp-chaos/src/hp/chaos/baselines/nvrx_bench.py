@@ -38,7 +38,7 @@ from itertools import pairwise
 from typing import Any
 
 from hp.chaos.baselines import nvrx_train
-from hp.chaos.bench.recovery import _phases
+from hp.chaos.bench.recovery_common import phases
 from hp.checkpointless.demo.workload import workload_argv
 from hp.checkpointless.events import read_events
 from hp.core.protocol import Event
@@ -188,7 +188,7 @@ def analyse(events: list[dict], cfg: Any) -> dict[str, Any]:
     return {
         "step_time_s": step_time, "to_next_step_s": to_next,
         "downtime_s": None if to_next is None or step_time is None else to_next - step_time,
-        "recovery_s": recovery, "phases": _phases(marks),
+        "recovery_s": recovery, "phases": phases(marks),
         "losses": dict(sorted(rank0.items())),  # rank 0's global mean loss per step, exact float hex
         "commits_per_step": {s: sum(1 for e in commits if e["rank"] == 0 and e["step"] == s) for s in sorted(rank0)},
         "ranks_agree_after_fault": ranks_agree,  # every active rank committed the same mean loss per step

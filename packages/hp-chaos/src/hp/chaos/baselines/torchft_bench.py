@@ -42,9 +42,8 @@ from hp.core.procs import free_port
 from hp.core.protocol import Event
 
 if TYPE_CHECKING:
-    from hp.chaos.bench.recovery import BenchConfig
+    from hp.chaos.bench.recovery_common import BenchConfig
 
-HEARTBEAT_TIMEOUT_MS = 5000  # torchft's default: how long the Lighthouse counts a silent group as alive
 JOIN_TIMEOUT_MS = 10000  # torchft's examples: how long a quorum waits for a heartbeating straggler
 QUORUM_TICK_MS = 100
 
@@ -147,7 +146,7 @@ def _commits(events: list[dict], replica: int) -> dict[int, dict]:
 
 
 def median_step_time(commits: list[dict]) -> float | None:
-    """Median interval between consecutive commits (as :func:`hp.chaos.bench.recovery.median_step`)."""
+    """Median interval between consecutive commits (as :func:`hp.chaos.bench.recovery_common.median_step`)."""
     times = sorted(e["t"] for e in commits)
     return statistics.median(b - a for a, b in pairwise(times)) if len(times) > 1 else None
 

@@ -169,11 +169,11 @@ class HpDaemon:
         """(seconds the call blocked, whether it mapped a slot file this process had never mapped)."""
         from hp.tiered_ckpt import api, writer
 
-        before = set(writer._MAPPINGS)
+        before = set(writer.mapped_slots())
         t0 = time.perf_counter()
         api.save(sd, step, self.persist_cfg if persist else self.cfg)
         stall = time.perf_counter() - t0
-        fresh = any(p not in before for p in writer._MAPPINGS if p.startswith(f"{self.shm}/"))
+        fresh = any(p not in before for p in writer.mapped_slots() if p.startswith(f"{self.shm}/"))
         return stall, fresh
 
     def cpu_ticks(self) -> int:
@@ -208,11 +208,7 @@ class HpDaemon:
             self.proc.kill()
         self.proc.wait()
         self.client.close()
-        for p in [p for p in writer._MAPPINGS if p.startswith(f"{self.shm}/")]:
-            writer._MAPPINGS.pop(p).close()
-        c = writer._CLIENTS.pop((self.cfg.daemon_addr(), self.cfg.token), None)
-        if c is not None:
-            c.close()
+        writer.release(self.shm, self.cfg)
         shutil.rmtree(self.shm, ignore_errors=True)
 
 

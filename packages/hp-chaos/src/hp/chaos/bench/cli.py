@@ -39,21 +39,23 @@ def _recovery(args: argparse.Namespace) -> int:
     from hp.chaos.bench.meta import print_result
 
     bench = _demo_bench("recovery", args.model_size)
+    from hp.chaos.bench import recovery_common as common
+
     if args.nproc < 2:
         raise UsageError("--nproc must be >= 2 (rank 1 is the one killed)")
     if args.ckpt_every < 1 or args.corpus_mb < 1 or (args.vocab is not None and args.vocab < 2) \
             or args.torchft_heartbeat_timeout_ms < 1:
         raise UsageError("--ckpt-every, --corpus-mb and --torchft-heartbeat-timeout-ms must be >= 1, --vocab >= 2")
-    if args.fault_step < 1 or args.steps - args.fault_step - 1 < bench.MIN_STEPS_AFTER:
-        raise UsageError(f"--fault-step must be >= 1 with at least {bench.MIN_STEPS_AFTER} steps after it: "
-                         f"{args.steps} steps allow --fault-step <= {args.steps - 1 - bench.MIN_STEPS_AFTER}")
+    if args.fault_step < 1 or args.steps - args.fault_step - 1 < common.MIN_STEPS_AFTER:
+        raise UsageError(f"--fault-step must be >= 1 with at least {common.MIN_STEPS_AFTER} steps after it: "
+                         f"{args.steps} steps allow --fault-step <= {args.steps - 1 - common.MIN_STEPS_AFTER}")
     if args.repeats < 1:
-        raise UsageError(f"--repeats must be >= 1 (>= {bench.MIN_REPEATS} for a figure to quote: a median with its spread)")
+        raise UsageError(f"--repeats must be >= 1 (>= {common.MIN_REPEATS} for a figure to quote: a median with its spread)")
     variants = tuple(v for v in args.variants.split(",") if v)
-    known = (*bench.VARIANTS, *(v for v in bench.HP_VARIANTS if v not in bench.VARIANTS))
+    known = (*common.VARIANTS, *(v for v in common.HP_VARIANTS if v not in common.VARIANTS))
     if not variants or set(variants) - set(known):
         raise UsageError(f"--variants: a comma-separated subset of {','.join(known)}, got {args.variants!r}")
-    cfg = bench.BenchConfig(model_size=args.model_size, vocab=args.vocab, seq=args.seq, nproc=args.nproc,
+    cfg = common.BenchConfig(model_size=args.model_size, vocab=args.vocab, seq=args.seq, nproc=args.nproc,
                             steps=args.steps, fault_step=args.fault_step, ckpt_every=args.ckpt_every,
                             corpus_mb=args.corpus_mb, log_dir=args.log_dir, timeout_s=args.timeout,
                             torchft_heartbeat_timeout_ms=args.torchft_heartbeat_timeout_ms, repeats=args.repeats,

@@ -46,12 +46,13 @@ import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass
-from itertools import pairwise
+from dataclasses import asdict
 from typing import Any
 
 from hp.chaos.baselines import torchft_bench, torchrun_dcp
 from hp.chaos.bench.meta import BenchRun, spread
+from hp.chaos.bench.recovery_common import (HP_VARIANTS, BenchConfig,
+                                            every_rank_back, lost_time, median_step, phases)
 from hp.checkpointless.demo.run import (
     DemoConfig,
     RunResult,
@@ -68,41 +69,6 @@ from hp.core.procs import free_port
 from hp.core.protocol import Event
 
 DEFINITION_VERSION = 2
-MIN_STEPS_AFTER = 5  # steps from the fault on (F+1 included): bit-equality covers them all
-MIN_REPEATS = 3  # the default: a figure to quote is a median with its spread (test_readme_figures)
-VARIANTS = ("hp", "torchrun_dcp", "torchft", "nvrx_default", "nvrx_tuned")
-HP_VARIANTS = {"hp": [], "hp_fsdp": ["--fsdp"]}  # hp's own: extra demo flags (hp_fsdp: only when asked for)
-
-
-@dataclass
-class BenchConfig:
-    model_size: str = "25m"
-    vocab: int | None = None  # None: 8192 for 25m (INFRA's ~25 M-param model), else 256 (bytes)
-    seq: int = 64
-    nproc: int = 2  # one rank per core on a 2-core box
-    steps: int = 14
-    fault_step: int = 6  # rank 1 dies right after committing this step
-    ckpt_every: int = 4
-    fault_rank: int = 1
-    corpus_mb: int = 16
-    seed: int = 0
-    repeats: int = MIN_REPEATS
-    pin: bool = True  # HP_PIN_CORES=1 for every variant's ranks
-    variants: tuple[str, ...] = VARIANTS
-    log_dir: str | None = None
-    timeout_s: float = 900.0  # per job: a hang guard, not a measurement
-    torchft_heartbeat_timeout_ms: int = torchft_bench.HEARTBEAT_TIMEOUT_MS  # torchft's default
-    hang_timeout_s: float = 60.0  # hp's hang detector: a kill is seen by the collective, not by it
-
-    @property
-    def vocab_size(self) -> int:
-        return self.vocab if self.vocab is not None else (8192 if self.model_size == "25m" else 256)
-
-    def train_args(self) -> list[str]:
-        """Arguments every training script takes: the same model shape and the same token cache."""
-        return ["--vocab", str(self.vocab_size), "--seq", str(self.seq)]
-
-
 def _log(msg: str) -> None:
     print(f"hp bench recovery: {msg}", file=sys.stderr, flush=True)
 
@@ -126,41 +92,6 @@ def _run(cmd: list[str], env: dict[str, str], timeout_s: float, log_path: str) -
             rc = 124
         log.seek(0)
         return rc, time.monotonic() - start, log.read()
-
-
-def lost_time(to_next_step_s: float | None, step_time_s: float | None) -> float | None:
-    """Downtime: fault -> every rank back at the step reached, minus the one step of new work that had
-    to be done anyway (the variant's own median fault-free step time)."""
-    return None if step_time_s is None or to_next_step_s is None else to_next_step_s - step_time_s
-
-
-def median_step(commit_times: list[float]) -> float | None:
-    """Median interval between consecutive commits (None with fewer than two)."""
-    times = sorted(commit_times)
-    return statistics.median(b - a for a, b in pairwise(times)) if len(times) > 1 else None
-
-
-def every_rank_back(events: list[dict], t0: float, step: int, ranks: range, **match: Any) -> float | None:
-    """Seconds from ``t0`` until every rank in ``ranks`` committed ``step`` (or a later one) after it:
-    whoever holds a rank by then (a promoted spare, a restarted process). None if one never did."""
-    firsts = []
-    for r in ranks:
-        hit = min((e["t"] for e in events if e["event"] == Event.COMMIT and e.get("rank") == r and e["t"] > t0
-                   and e["step"] >= step and all(e.get(k) == v for k, v in match.items())), default=None)
-        if hit is None:
-            return None
-        firsts.append(hit)
-    return max(firsts) - t0
-
-
-def _phases(marks: dict[str, float | None]) -> dict[str, float]:
-    """Seconds spent in each phase, from cumulative marks (seconds after the fault), as hp's demo does."""
-    phases, reached = {}, 0.0
-    for name, mark in marks.items():
-        if mark is not None:
-            phases[name] = max(0.0, mark - reached)
-            reached = max(reached, mark)
-    return phases
 
 
 # ---------------------------------------------------------------- hp: in-process, one hot spare
@@ -256,7 +187,7 @@ def analyse_torchrun(events: list[dict], fault_step: int, nproc: int) -> dict[st
     restored = next((e["step"] for e in after if e["event"] == Event.RESTORED and e["rank"] == 0), None)
     return {
         "downtime_s": lost_time(back, step_time), "to_next_step_s": back,
-        "recovery_s": marks["dcp_load"], "phases": _phases(marks),
+        "recovery_s": marks["dcp_load"], "phases": phases(marks),
         "recomputed_steps": len(recomputed), "restored_step": restored,
         "recompute_bitwise_equal": all(again[s]["loss"] == before[s]["loss"] for s in recomputed),
         "step_time_s": step_time,  # attempt 0 before the fault: fault-free steps of this variant
