@@ -5,7 +5,7 @@ step at the start of the grace time (``proctrack/linuxproc`` walks the process t
 signals the whole cgroup), so the workers get the SIGTERM their agent gets. A worker that dies of it
 leaves in the middle of a step, and the ranks that stay see a failed collective and replay that step,
 while its agent is still asking the controller to let this node's ranks leave at the next step boundary
-(hp.core.agent, ``_leave``). Kubernetes signals only the container's first process; Slurm does not.
+(hp.core.agent.departure, ``Departure.leave``). Kubernetes signals only the container's first process; Slurm does not.
 
 So a worker of ``hp run`` (``HP_AGENT_PID`` in its environment) keeps SIGTERM blocked in every thread and
 waits for it in one thread of its own (``sigwaitinfo``, which says who sent it):

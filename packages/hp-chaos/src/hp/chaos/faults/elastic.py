@@ -2,7 +2,7 @@
 
 Both act on agents, from outside the job, like a cluster scheduler does: ``preempt`` is the
 SIGTERM Slurm or Kubernetes sends a node's agent (its ranks leave at the next step boundary and
-the agent exits 0, :meth:`hp.core.agent.Agent._leave`); ``join`` starts a new agent for a node,
+the agent exits 0, :meth:`hp.core.agent.departure.Departure.leave`); ``join`` starts a new agent for a node,
 which joins the running job as spares that the job grows into once they are ready
 (:class:`hp.core.controller.ElasticController`). Either fires while step ``at_step`` runs or, with
 ``at_event``, on an event of the job (e.g. ``assigned``: a joiner was given its rank, the job is
