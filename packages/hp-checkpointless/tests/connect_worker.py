@@ -21,7 +21,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from hp.checkpointless import state
+from hp.checkpointless import transfer
 from hp.checkpointless.group import FormingStore
 from hp.core import get_backend
 
@@ -85,9 +85,9 @@ if role.startswith("late"):
             dist.all_gather(rows, x)
             x = torch.cat(rows)
         elif rank == 1:
-            state.send_state({"x": x + 7}, 0)
+            transfer.send_state({"x": x + 7}, 0)
         else:
-            x = state.recv_state(1)["x"]
+            x = transfer.recv_state(1)["x"]
         done.append([name, x.tolist()])
     out["done"] = done
     dist.destroy_process_group()

@@ -34,7 +34,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
-from hp.checkpointless import hydration, sharded, state
+from hp.checkpointless import hydration, sharded, transfer
 from hp.checkpointless.events import EventLog
 from hp.checkpointless.registry import TrainingState
 from hp.checkpointless.transaction import StepTransaction
@@ -204,7 +204,7 @@ def die_at_first_transfer() -> None:
     def die(*args, **kwargs) -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
-    state.send_state = state.recv_state = die
+    transfer.send_state = transfer.recv_state = die
 
 
 def main(scenario: str, role: str, port: int, out: Path) -> None:

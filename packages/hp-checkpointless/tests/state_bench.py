@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from hp.checkpointless import state as st
+from hp.checkpointless import transfer
 
 
 def make_state(mb: int) -> dict:
@@ -46,15 +47,15 @@ def rank_main(rank: int, port: int, mb: int) -> None:
             "pack into reused buffer": timed(lambda: buf.pack(st.flatten(state)[1])),
             "checksum (crc32)": timed(lambda: st.checksum(buf.flat)),
         }
-        rows["send_state fresh"] = timed(lambda: st.send_state(state, 1))
-        rows["send_state reused"] = timed(lambda: st.send_state(state, 1, buffer=buf))
+        rows["send_state fresh"] = timed(lambda: transfer.send_state(state, 1))
+        rows["send_state reused"] = timed(lambda: transfer.send_state(state, 1, buffer=buf))
         for k, v in rows.items():
             print(f"{k:28s} {v * 1e3:8.1f} ms  {nbytes / v / 1e9:6.2f} GB/s", flush=True)
     else:
         timed(lambda: None), timed(lambda: None), timed(lambda: None)
-        fresh = timed(lambda: st.recv_state(0))
+        fresh = timed(lambda: transfer.recv_state(0))
         buf = st.StateBuffer.for_layout(skeleton, prefault=True)
-        warm = timed(lambda: st.recv_state(0, template=state, buffer=buf))
+        warm = timed(lambda: transfer.recv_state(0, template=state, buffer=buf))
         time.sleep(0.5)
         for k, v in (("recv_state fresh (e2e)", fresh), ("recv_state template+reused", warm)):
             print(f"{k:28s} {v * 1e3:8.1f} ms  {nbytes / v / 1e9:6.2f} GB/s  ({nbytes / 2**20:.0f} MiB)", flush=True)

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from hp.checkpointless import state as st
+from hp.checkpointless import transfer as tx
 
 
 class Net(torch.nn.Module):
@@ -93,24 +94,24 @@ def transfer(rank: int, res: dict) -> None:
         for _ in range(3):
             train_step(model, opt, sched)
         sends = counting("isend")
-        st.send_state(st.capture(model, opt, sched, extra), 1)
+        tx.send_state(st.capture(model, opt, sched, extra), 1)
         res["digest"] = digest(st.capture(model, opt, sched, extra))
         res["sends"] = [sends[0]]
         res["loss"] = train_step(model, opt, sched)
         for n in (1, 300):  # 3 messages whatever the tensor count
             sends[0] = 0
-            st.send_state({f"t{i}": torch.full((i % 5 + 1,), float(i)) for i in range(n)}, 1)
+            tx.send_state({f"t{i}": torch.full((i % 5 + 1,), float(i)) for i in range(n)}, 1)
             res["sends"].append(sends[0])
-        st.send_state(st.capture(model, opt, sched, extra), 1)  # into the receiver's template
+        tx.send_state(st.capture(model, opt, sched, extra), 1)  # into the receiver's template
         res["digest2"] = digest(st.capture(model, opt, sched, extra))
         res["loss2"] = train_step(model, opt, sched)
-        st.send_state({"w": torch.zeros(3)}, 1)  # receiver's template has shape [2]
-        st.send_state({"w": torch.ones(2)}, 1)  # the group is still in sync afterwards
+        tx.send_state({"w": torch.zeros(3)}, 1)  # receiver's template has shape [2]
+        tx.send_state({"w": torch.ones(2)}, 1)  # the group is still in sync afterwards
     else:
         torch.manual_seed(123), random.seed(1), np.random.seed(1)
         model, opt, sched = build()  # fresh: the optimizer has no state yet
         recvs = counting("irecv")
-        got = st.recv_state(0)
+        got = tx.recv_state(0)
         res["recvs"] = [recvs[0]]
         restored_extra = st.restore(got, model, opt, sched)
         res["extra"] = repr(restored_extra)
@@ -118,20 +119,20 @@ def transfer(rank: int, res: dict) -> None:
         res["loss"] = train_step(model, opt, sched)
         for n in (1, 300):
             recvs[0] = 0
-            got = st.recv_state(0)
+            got = tx.recv_state(0)
             res["recvs"].append(recvs[0])
             assert len(got) == n and got[f"t{n - 1}"].tolist() == [float(n - 1)] * ((n - 1) % 5 + 1)
         template = st.capture(model, opt, sched, restored_extra)
         ptrs = [t.data_ptr() for t in st.flatten({"m": template["model"], "o": template["optimizer"]})[1]]
         live = live_ptrs(model, opt)
-        got = st.recv_state(0, template=template)
+        got = tx.recv_state(0, template=template)
         after = [t.data_ptr() for t in st.flatten({"m": got["model"], "o": got["optimizer"]})[1]]
         st.restore(got, model, opt, sched)
         res["ptrs_same"] = ptrs == after and live == live_ptrs(model, opt) and len(ptrs) > 10
         res["digest2"] = digest(st.capture(model, opt, sched, restored_extra))
         res["loss2"] = train_step(model, opt, sched)
-        res["mismatch"] = error(lambda: st.recv_state(0, template={"w": torch.zeros(2)}))
-        res["after_mismatch"] = st.recv_state(0)["w"].tolist()
+        res["mismatch"] = error(lambda: tx.recv_state(0, template={"w": torch.zeros(2)}))
+        res["after_mismatch"] = tx.recv_state(0)["w"].tolist()
 
 
 def corrupt(rank: int, res: dict) -> None:
@@ -140,7 +141,7 @@ def corrupt(rank: int, res: dict) -> None:
     state = {"a": torch.arange(1000, dtype=torch.float64), "b": [torch.ones(3, dtype=torch.bfloat16)]}
     if rank == 0:
         for case in cases:
-            frames = st._encode(state)
+            frames = st.encode(state)
             header = frames[0]
             if case == "buffer_flip":
                 frames[2][77] ^= 0x10
@@ -164,7 +165,7 @@ def corrupt(rank: int, res: dict) -> None:
             header_only = case in ("bad_magic", "bad_version", "header_crc", "absurd_len", "over_limit")
             for t in frames[:1] if header_only else frames:
                 dist.send(t, 1)
-        st.send_state({"ok": torch.tensor([1, 2, 3])}, 1)
+        tx.send_state({"ok": torch.tensor([1, 2, 3])}, 1)
     else:
         allocs = [0]
         real_alloc = st._alloc
@@ -178,23 +179,23 @@ def corrupt(rank: int, res: dict) -> None:
             allocs[0] = 0
             t0 = time.monotonic()
             limit = 1024 if case == "over_limit" else st.DEFAULT_MAX_BYTES
-            res[case] = error(lambda: st.recv_state(0, max_bytes=limit))
+            res[case] = error(lambda: tx.recv_state(0, max_bytes=limit))
             res[case + "_allocs"] = allocs[0]
             res[case + "_s"] = time.monotonic() - t0
-        res["ok_after"] = st.recv_state(0)["ok"].tolist()
+        res["ok_after"] = tx.recv_state(0)["ok"].tolist()
         st._alloc = real_alloc
 
 
 def sender_dies(rank: int, res: dict, out: Path) -> None:
     if rank == 0:
-        frames = st._encode({"w": torch.randn(2_000_000)})
+        frames = st.encode({"w": torch.randn(2_000_000)})
         dist.send(frames[0], 1)  # header only, then die like a SIGKILLed rank
         (out / "rank0.json").write_text(json.dumps({"header_sent": True}))
         time.sleep(0.3)
         os.kill(os.getpid(), signal.SIGKILL)
     t0 = time.monotonic()
     try:
-        st.recv_state(0)
+        tx.recv_state(0)
         res["error"] = "NO ERROR"
     except RuntimeError as e:
         res["error"], res["type"] = str(e), type(e).__name__
@@ -207,24 +208,24 @@ def broadcast(rank: int, res: dict) -> None:
         torch.manual_seed(0), random.seed(0), np.random.seed(0)
         model, opt, sched = build(hidden=32)
         train_step(model, opt, sched)
-        st.broadcast_state(st.capture(model, opt, sched), src=0)
+        tx.broadcast_state(st.capture(model, opt, sched), src=0)
         res["digest"] = digest(st.capture(model, opt, sched))
         train_step(model, opt, sched)
         buf = st.StateBuffer.for_layout(st.flatten(st.capture(model, opt, sched))[0], prefault=True)
         ptr = buf.data.data_ptr()
-        st.broadcast_state(st.capture(model, opt, sched), src=0, buffer=buf)
+        tx.broadcast_state(st.capture(model, opt, sched), src=0, buffer=buf)
         res["buffer_reused"] = buf.data.data_ptr() == ptr
     else:
         torch.manual_seed(rank), random.seed(rank), np.random.seed(rank)
         model, opt, sched = build(hidden=32)
-        st.restore(st.broadcast_state(None, src=0), model, opt, sched)
+        st.restore(tx.broadcast_state(None, src=0), model, opt, sched)
         res["digest"] = digest(st.capture(model, opt, sched))
         train_step(model, opt, sched)  # both sides step: states agree again
         template = st.capture(model, opt, sched)
         buf = st.StateBuffer.for_layout(st.flatten(template)[0], prefault=True)
         ptr = buf.data.data_ptr()
         before = [p.data_ptr() for p in model.parameters()]
-        got = st.broadcast_state(None, src=0, template=template, buffer=buf)
+        got = tx.broadcast_state(None, src=0, template=template, buffer=buf)
         st.restore(got, model, opt, sched)
         res["buffer_reused"] = buf.data.data_ptr() == ptr and before == [p.data_ptr() for p in model.parameters()]
     res["calls"] = calls[0]

@@ -83,11 +83,11 @@ def test_only_missing_or_stale_shadows_are_copied_whole_again():
 def test_a_malformed_shard_from_a_peer_is_a_transfer_error_not_a_crash():
     import torch
 
-    from hp.checkpointless import state
+    from hp.checkpointless import state, transfer
     from hp.checkpointless.shadow import Shadow
 
     with pytest.raises(state.StateTransferError, match="rank 3 sent a malformed shard: KeyError"):
-        with state.from_peer(3, "shard"):
+        with transfer.from_peer(3, "shard"):
             Shadow({"at": 1}, torch.optim.AdamW)
     params = [torch.zeros(2), torch.zeros(3)]
     with pytest.raises(state.StateTransferError, match=r"optimizer order \[0, 0\] .* does not cover its 2 parameters"):

@@ -38,10 +38,10 @@ def test_a_source_refuses_an_offer_too_small_for_the_state_or_of_something_else(
 
 def test_a_state_packed_in_place_needs_room_for_all_of_it():
     st = {"a": torch.arange(100, dtype=torch.float32)}
-    frames = state._encode(st, None, torch.zeros(4096, dtype=torch.uint8))
+    frames = state.encode(st, None, torch.zeros(4096, dtype=torch.uint8))
     assert len(frames) == 2 and int(frames[0][7]) == state.IN_PLACE  # header and skeleton only
     with pytest.raises(state.StateTransferError, match="holds 64 bytes, the state needs 400"):
-        state._encode(st, None, torch.zeros(64, dtype=torch.uint8))
+        state.encode(st, None, torch.zeros(64, dtype=torch.uint8))
 
 
 def test_the_in_place_flag_is_covered_by_the_header_checksum():

@@ -45,7 +45,7 @@ def stepped_adamw() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
 
 
 def wire(frames: list[torch.Tensor]) -> st.Op:
-    """A fake transport: each receive copies the next frame (so _receive runs without processes)."""
+    """A fake transport: each receive copies the next frame (so receive runs without processes)."""
     it = iter(frames)
     return lambda t: t.copy_(next(it))
 
@@ -116,20 +116,20 @@ def test_capture_restore_in_process_including_fresh_optimizer() -> None:
     other = setup()
     st.restore(st.capture(*fresh), *other)  # no step yet: optimizer 'state' is empty, still restores
     step(*fresh)
-    frames = st._encode(st.capture(*fresh, extra={"epoch": 1}))
+    frames = st.encode(st.capture(*fresh, extra={"epoch": 1}))
     expected = step(*fresh)  # draws from the captured RNG states
     torch.manual_seed(9), random.seed(9), np.random.seed(9)
-    got = st._receive(wire(frames), 0, None, None, st.DEFAULT_MAX_BYTES)
+    got = st.receive(wire(frames), 0, None, None, st.DEFAULT_MAX_BYTES)
     assert st.restore(got, *other) == {"epoch": 1}
     assert step(*other) == expected
     assert other[1].state_dict()["state"][0]["exp_avg"].equal(fresh[1].state_dict()["state"][0]["exp_avg"])
 
 
 def test_no_partial_state_when_template_does_not_match() -> None:
-    frames = st._encode({"a": torch.ones(2), "b": torch.ones(3)})
+    frames = st.encode({"a": torch.ones(2), "b": torch.ones(3)})
     template = {"a": torch.zeros(2), "b": torch.zeros(4)}
     with pytest.raises(st.StateTransferError, match="dtype/shape mismatch"):
-        st._receive(wire(frames), 0, template, None, st.DEFAULT_MAX_BYTES)
+        st.receive(wire(frames), 0, template, None, st.DEFAULT_MAX_BYTES)
     assert template["a"].equal(torch.zeros(2))  # checks run before any copy
 
 

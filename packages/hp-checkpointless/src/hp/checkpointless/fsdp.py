@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from hp.checkpointless import state
+from hp.checkpointless import state, transfer
 from hp.checkpointless.mesh import GenerationMesh, MeshLayout
 from hp.checkpointless.replicas import NO_REPLICA, Replicas, buddy_in, check_ring, ring_exchange, ward_in
 from hp.checkpointless.shadow import Shadow
@@ -204,7 +204,7 @@ class ShardedModel:
         if pending is None or int(pending["version"]) != step:
             return
         try:
-            with state.from_peer(ward_in(self._ring(), dist.get_rank()), "gradient copy"):
+            with transfer.from_peer(ward_in(self._ring(), dist.get_rank()), "gradient copy"):
                 self.shadow.advance(step, pending["grads"], pending["hyper"], skip=self.skipped == step)
         except state.StateTransferError:  # the step stands (committed); the next formation copies the shard whole
             self.shadow = None
@@ -220,12 +220,12 @@ class ShardedModel:
         ring = self._ring()
 
         def send(buddy: int) -> None:
-            state.send_state({"at": self.version, "shard": self.shard(optimizer),
-                              "hyper": hyper(optimizer.param_groups)}, buddy)
+            transfer.send_state({"at": self.version, "shard": self.shard(optimizer),
+                                 "hyper": hyper(optimizer.param_groups)}, buddy)
 
         def receive(ward: int) -> None:
-            received = state.recv_state(ward)  # a fresh buffer: the shadow keeps it
-            with state.from_peer(ward, "shard"):
+            received = transfer.recv_state(ward)  # a fresh buffer: the shadow keeps it
+            with transfer.from_peer(ward, "shard"):
                 self.shadow = Shadow(received, type(optimizer))
             self.grads_in.drop()
 

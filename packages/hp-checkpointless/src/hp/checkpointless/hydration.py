@@ -18,7 +18,7 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from hp.checkpointless import fsdp, reshard, sharded, shm, state
+from hp.checkpointless import fsdp, reshard, sharded, shm, state, transfer
 from hp.checkpointless.events import EventLog
 from hp.checkpointless.premap import Premaps
 from hp.checkpointless.registry import TrainingState
@@ -83,7 +83,7 @@ def replicated(st: TrainingState, a: Agreement, rank: int, events: EventLog) -> 
             captured = st.capture()
             target = _attach_offer(r, captured, st.premaps) if a.same_node(source, r) else None
             try:
-                state.send_state(captured, r, in_place=None if target is None else target.tensor)
+                transfer.send_state(captured, r, in_place=None if target is None else target.tensor)
                 how = "transport" if target is None else "premapped" if target.early else "shm"
                 events.record(Event.HYDRATION_SENT, rank=rank, to=r, how=how, generation=a.generation)
             finally:
@@ -97,10 +97,10 @@ def replicated(st: TrainingState, a: Agreement, rank: int, events: EventLog) -> 
             has_state = st.optimizer is None or bool(st.optimizer.state)
             shared = st.receive_shared if not has_state else None
             if a.same_node(source, r):
-                state.send_tensor(shm.no_offer() if shared is None else shared.offer(), source)
+                transfer.send_tensor(shm.no_offer() if shared is None else shared.offer(), source)
             try:
-                received = state.recv_state(source, template=st.capture() if has_state else None,
-                                            buffer=None if has_state else st.receive_buffer)
+                received = transfer.recv_state(source, template=st.capture() if has_state else None,
+                                               buffer=None if has_state else st.receive_buffer)
             finally:
                 if shared is not None:  # offered once: a retry of this hydration goes over the transport
                     shared.received()
@@ -114,7 +114,7 @@ def _attach_offer(receiver: int, captured: dict, premaps: Premaps | None) -> shm
     """The source's side of a same-node hydration: the receiver's offer, attached when it is one (else the
     state goes over the transport: a receiver with state of its own, or a buffer this rank cannot use);
     mapped before the failure when this rank saw it offered (:mod:`hp.checkpointless.premap`)."""
-    offer = state.recv_tensor(shm.no_offer(), receiver)
+    offer = transfer.recv_tensor(shm.no_offer(), receiver)
     if not shm.offered(offer):
         return None
     nbytes = state.wire_nbytes(captured)
@@ -162,10 +162,10 @@ def fsdp_shards(st: TrainingState, a: Agreement, rank: int, collective: Callable
                       generation=a.generation)
     for r, (src, roll) in sorted(sources.items()):
         if rank == src:
-            state.send_state(fs.copy_for_replacement(optimizer, a.newest), r)
+            transfer.send_state(fs.copy_for_replacement(optimizer, a.newest), r)
         elif rank == r:
-            message = state.recv_state(src)  # a fresh buffer: the optimizer keeps its tensors
-            with state.from_peer(src, "shard"):
+            message = transfer.recv_state(src)  # a fresh buffer: the optimizer keeps its tensors
+            with transfer.from_peer(src, "shard"):
                 at = int(message["at"])
                 if at != a.newest and (message["grads"] is None or at != a.newest - 1):
                     raise state.StateTransferError(f"rank {src} sent a shard of step {at} without what brings "
@@ -190,9 +190,9 @@ def _replicated_rest(st: TrainingState, a: Agreement, rank: int, events: EventLo
     """Sharded state's replicated rest (buffers, LR schedule, RNG, extras) from the source to each rank behind."""
     for r in a.behind:
         if rank == a.source:
-            state.send_state(st.replicated_part(), r)
+            transfer.send_state(st.replicated_part(), r)
         elif rank == r:
-            st.load_replicated_part(state.recv_state(a.source))
+            st.load_replicated_part(transfer.recv_state(a.source))
             _hydrated(st, a, rank, events)
 
 

@@ -30,10 +30,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed import distributed_c10d as c10d
 from torch.distributed.device_mesh import DeviceMesh
 
 from hp.checkpointless.sharded import ShardLost
+from hp.core import pg
 from hp.core.errors import UsageError
 
 REPLICATE, SHARD = "replicate", "shard"
@@ -174,22 +174,12 @@ class StableGroup(dist.ProcessGroup):
             raise ValueError(f"{self._name}: group of rank {inner.rank()}/{inner.size()} for a mesh group "
                              f"of rank {self.rank()}/{self.size()}")
         self._inner = inner
-        # torch's bookkeeping of the groups it made: get_rank(group), and get_backend(group), which its
-        # logging calls on the way out of a failed collective (without an entry it raises a ValueError of
-        # its own that hides the collective's error)
-        c10d._world.pg_group_ranks[self] = {g: i for i, g in enumerate(ranks)}
-        c10d._world.pg_map[self] = (dist.get_backend(inner), None)
+        pg.record_group(self, ranks, inner)  # get_rank(group), get_backend(group): as for the groups torch makes
         self.register()
 
     def register(self) -> None:
-        """Where a mesh looks its groups up (by name). Torch has no public registry for a process group it
-        did not create (torchft registers its reconfigurable groups the same way)."""
-        try:
-            if c10d._resolve_process_group(self._name) is self:
-                return
-        except RuntimeError:  # not registered (yet, or no more since the last default group was destroyed)
-            pass
-        c10d._register_process_group(self._name, self)
+        """Where a mesh looks its groups up (by name): :func:`hp.core.pg.register_by_name`."""
+        pg.register_by_name(self._name, self)
 
     def unbind(self) -> None:
         """Forget the generation's group (before it is destroyed: nothing here may keep it alive)."""
@@ -236,10 +226,8 @@ class GenerationMesh:
                        for c, size, name in zip(coords, layout.sizes, layout.names)]
         # what DeviceMesh.from_group does, with this rank given: no default group exists yet (the first
         # generation forms after the model is sharded on this mesh and registered)
-        mesh = self.device_mesh = DeviceMesh(device_type, torch.tensor(layout.grid(), dtype=torch.int),
-                                             mesh_dim_names=layout.names, _init_backend=False, _rank=rank)
-        mesh._dim_group_names = [g.group_name for g in self.groups]
-        mesh._pg_registry.update({g.group_name: g for g in self.groups})
+        self.device_mesh = pg.device_mesh_of(device_type, torch.tensor(layout.grid(), dtype=torch.int),
+                                             layout.names, self.groups, rank)
         for group in self.groups:  # FSDP asks the mesh for its groups (their rank and size) before any generation
             group.register()
 

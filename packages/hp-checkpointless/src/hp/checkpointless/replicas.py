@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from hp.checkpointless import state
+from hp.checkpointless import state, transfer
 
 NO_REPLICA = -2  # a replica's version while a rank holds no copy (-1 is a copy of the state before the first step)
 
@@ -84,12 +84,12 @@ class Replicas:
                  move: Callable[[Callable[[], None]], None]) -> None:
         """Send ``own()`` to the buddy, keep the ward's. ``move`` runs one transfer (it turns transport
         errors into the runtime's collective errors)."""
-        ring_exchange(ring, rank, lambda buddy: state.send_state(own(), buddy), self._receive, move)
+        ring_exchange(ring, rank, lambda buddy: transfer.send_state(own(), buddy), self._receive, move)
 
     def _receive(self, ward: int) -> None:
         spare = self._buffers[1 - self._active]
-        received = state.recv_state(ward, buffer=spare)
-        with state.from_peer(ward, "shard copy"):
+        received = transfer.recv_state(ward, buffer=spare)
+        with transfer.from_peer(ward, "shard copy"):
             version = int(received["version"])
         self._active = 1 - self._active
         self.held, self.version = received, version

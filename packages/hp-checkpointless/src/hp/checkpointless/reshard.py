@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from hp.checkpointless import state
+from hp.checkpointless import state, transfer
 from hp.checkpointless.events import EventLog
 from hp.checkpointless.sharded import (ShardedOptimizer, Versions, check_ring, own_roll_forward_needed,
                                        plan_shard_sources, ward_in)
@@ -110,11 +110,11 @@ def _move(sh: ShardedOptimizer, shards: dict[int, Shard], provider: list[int], o
                                 p.copy_(value)
                     states.update(zip(targets, sent))
                 else:
-                    state.send_state({"params": values}, dst)
-                    state.send_state({"states": sent}, dst)
+                    transfer.send_state({"params": values}, dst)
+                    transfer.send_state({"states": sent}, dst)
             else:
-                state.recv_state(src, template={"params": [p.detach() for p in targets]})  # in place, once checked
-                received = state.recv_state(src)["states"]
+                transfer.recv_state(src, template={"params": [p.detach() for p in targets]})  # in place, once checked
+                received = transfer.recv_state(src)["states"]
                 if len(received) != len(targets):
                     raise state.StateTransferError(f"rank {src} sent {len(received)} optimizer states for "
                                                    f"{len(targets)} parameters")

@@ -30,9 +30,51 @@ import torch
 import torch.distributed as dist
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
-from hp.checkpointless import state
+from hp.checkpointless import state, transfer
 from hp.checkpointless.replicas import (NO_REPLICA, Replicas, buddy_in, check_ring, identity, node_ring,  # noqa: F401
                                         ward_in)
+
+
+# ---- the ZeRO seam ---------------------------------------------------------------------------------
+# The one place in hp that touches ZeroRedundancyOptimizer's privates (packages/hp-core/tests/test_pg.py
+# checks; torch's process-group privates are hp.core.pg's). ZeRO's public API is a whole ``step()``: no
+# public way splits the local update from its parameter broadcast, re-partitions for another world, gives
+# another rank's partition or builds a local optimizer like its own. Checked against torch 2.13.0
+# (torch/distributed/optim/zero_redundancy_optimizer.py); each function names the private it uses.
+def zero_overlaps_ddp(zero: ZeroRedundancyOptimizer) -> bool:
+    return zero._overlap_with_ddp  # overlap_with_ddp=True, no public getter
+
+
+def zero_partition(zero: ZeroRedundancyOptimizer, rank: int) -> list[torch.Tensor]:
+    """``rank``'s parameters in its local optimizer's order at ZeRO's current world size (cached)."""
+    return [p for g in zero._partition_parameters()[rank] for p in g["params"]]
+
+
+def zero_forget_partitioning(zero: ZeroRedundancyOptimizer) -> None:
+    zero._clear_cache()  # after ``world_size`` or ``rank`` changed
+
+
+def zero_local_step(zero: ZeroRedundancyOptimizer) -> None:
+    """``zero.step()``'s local update without its parameter broadcast, and what the LR scheduler's wrapper
+    of ``zero.step()`` would record: the split step counts as one."""
+    zero._local_step()
+    zero._opt_called = True
+
+
+def zero_repartition(zero: ZeroRedundancyOptimizer, new_local_optimizer: bool) -> None:
+    """After ``world_size`` or ``rank`` changed: a local optimizer without state (unless the caller put one
+    back) and the parameter buckets (a no-op unless ``parameters_as_bucket_view=True``)."""
+    if new_local_optimizer:
+        zero._init_local_optimizer()
+    zero._build_param_buckets()
+
+
+def zero_sync_param_groups(zero: ZeroRedundancyOptimizer, src: Sequence[dict], dst: Sequence[dict]) -> None:
+    zero._sync_param_groups(src, dst)  # hyper-parameters, as ZeRO keeps its groups and its local optimizer's
+
+
+def zero_like_local_optimizer(zero: ZeroRedundancyOptimizer, param_groups: list[dict]) -> torch.optim.Optimizer:
+    return zero._optim_constructor(param_groups, **zero._optim_defaults)  # the local optimizer's class, defaults
 
 
 class ShardLost(RuntimeError):
@@ -85,7 +127,7 @@ class ShardedOptimizer:
     """The recovery side of one ``ZeroRedundancyOptimizer``; the training loop keeps using ``zero``."""
 
     def __init__(self, zero: ZeroRedundancyOptimizer, trainable: Sequence[torch.Tensor]) -> None:
-        if zero._overlap_with_ddp:
+        if zero_overlaps_ddp(zero):
             raise NotImplementedError("hp.checkpointless: ZeroRedundancyOptimizer(overlap_with_ddp=True) is not "
                                       "supported (hp does the gradient all-reduce itself; there is no DDP)")
         self.zero = zero
@@ -149,7 +191,7 @@ class ShardedOptimizer:
         return Previous(self.zero.rank, self.zero.world_size, self.zero.optim, self.ring)
 
     def _params_of(self, rank: int) -> list[torch.Tensor]:
-        return [p for g in self.zero._partition_parameters()[rank] for p in g["params"]]
+        return zero_partition(self.zero, rank)
 
     def partitioning(self, world: int) -> list[list[torch.Tensor]]:
         """Each rank's parameters, in its local optimizer's order, as torch partitions them for ``world``."""
@@ -157,19 +199,17 @@ class ShardedOptimizer:
         if world == zero.world_size:
             return [self._params_of(r) for r in range(world)]
         current, zero.world_size = zero.world_size, world
-        zero._clear_cache()
+        zero_forget_partitioning(zero)
         try:
             return [self._params_of(r) for r in range(world)]
         finally:
             zero.world_size = current
-            zero._clear_cache()
+            zero_forget_partitioning(zero)
 
     # ---- the step -----------------------------------------------------------------------
     def local_step(self, step: int) -> None:
         """This rank's shard of the optimizer step (no communication)."""
-        self.zero._local_step()
-        # what the LR scheduler's wrapper of zero.step() would record: the split step counts as one
-        self.zero._opt_called = True
+        zero_local_step(self.zero)
         self.version = step
 
     def sync_params(self) -> None:
@@ -215,13 +255,13 @@ class ShardedOptimizer:
             self.previous = Previous(zero.rank, zero.world_size, zero.optim, self.ring)
         zero.rank = zero.global_rank = rank  # the group is the default one: group rank = global rank
         zero.world_size = world_size
-        zero._clear_cache()
-        if self.previous is not None and (self.previous.rank, self.previous.world) == (rank, world_size):
+        zero_forget_partitioning(zero)
+        back = self.previous is not None and (self.previous.rank, self.previous.world) == (rank, world_size)
+        if back:
             zero.optim, self._ring, self.previous = self.previous.optim, self.previous.ring, None
         else:
-            zero._init_local_optimizer()
             self._ring = None  # a new partitioning: the identity until the agreement sets its ring
-        zero._build_param_buckets()  # a no-op unless parameters_as_bucket_view=True
+        zero_repartition(zero, new_local_optimizer=not back)
 
     def unbind(self) -> None:
         """Drop the reference to a failed group, so that destroying it really closes its sockets
@@ -260,7 +300,7 @@ class ShardedOptimizer:
     def roll_forward(self, step: int, grads: Sequence[torch.Tensor | None], step_hyper: Sequence[dict]) -> None:
         """Re-run step ``step``'s local update of this shard with that step's gradients and hyper-parameters."""
         _step(self.zero.optim, self._params_of(self.zero.rank), grads, step_hyper)
-        self.zero._sync_param_groups(self.zero.optim.param_groups, self.zero.param_groups)
+        zero_sync_param_groups(self.zero, self.zero.optim.param_groups, self.zero.param_groups)
         self.version = step
 
     # ---- resharding (elastic) -----------------------------------------------------------------
@@ -292,8 +332,8 @@ class ShardedOptimizer:
         if self.replica_version == step:
             return values, [optim_state["state"].get(i, {}) for i in range(len(values))], False
         assert flat_grads is not None and self.replica_version == step - 1  # guaranteed by plan_shard_sources
-        optim = self.zero._optim_constructor([{"params": [values[i] for i in g["params"]]}
-                                              for g in optim_state["param_groups"]], **self.zero._optim_defaults)
+        optim = zero_like_local_optimizer(self.zero, [{"params": [values[i] for i in g["params"]]}
+                                                      for g in optim_state["param_groups"]])
         optim.load_state_dict(optim_state)
         # the held optimizer ran `step` (or was just rolled forward to it): its groups hold that step's hyper-parameters
         _step(optim, values, self.grads_of(params, flat_grads), hyper(held.optim.param_groups))
@@ -307,7 +347,7 @@ class ShardedOptimizer:
         loaded = optim.state_dict()
         loaded["state"] = {i: states[p] for i, p in enumerate(params) if states.get(p)}
         optim.load_state_dict(loaded)  # keeps the tensors: received into buffers of their own, or the held shard's
-        self.zero._sync_param_groups(self.zero.param_groups, optim.param_groups)
+        zero_sync_param_groups(self.zero, self.zero.param_groups, optim.param_groups)
         self.previous, self.version = None, version
         self.replicas.drop()
 
@@ -324,11 +364,11 @@ class ShardedOptimizer:
             assert flat_grads is not None  # guaranteed by plan_shard_sources
             message["grads"] = self.grads_of(self._params_of(dst), flat_grads)
             message["hyper"] = hyper(self.zero.optim.param_groups)
-        state.send_state(message, dst)
+        transfer.send_state(message, dst)
 
     def receive_as_replacement(self, src: int, newest: int) -> bool:
         """Replacement side; returns whether the shard had to be rolled forward."""
-        message = state.recv_state(src)  # a fresh buffer: the optimizer keeps its tensors
+        message = transfer.recv_state(src)  # a fresh buffer: the optimizer keeps its tensors
         self.load_shard(message["shard"])
         if self.version == newest:
             return False

@@ -1,4 +1,7 @@
-"""Peer hydration wire: a replacement rank pulls the full training state from a healthy peer.
+"""What a training state is on the wire: its layout in one flat checksummed buffer, its framing, and its
+capture from (and restore into) live objects. :mod:`hp.checkpointless.transfer` moves it between ranks.
+
+A replacement rank pulls the full training state from a healthy peer:
 
 * 3 messages (int64 header, JSON skeleton, ONE flat uint8 buffer) whatever the tensor count, so the
   per-message cost does not scale with the hundreds of small tensors of an optimizer state.
@@ -8,30 +11,28 @@
 * Buffers can be allocated once and reused (`StateBuffer`, `buffer=`, `template=`): page faults into
   fresh memory cost several times the copy itself (INFRA.md "Measured floors").
 
-Ranks are global ranks, as torch.distributed takes them. After a header-level error (magic, version,
-header CRC, size) the receiver cannot know how much to drain: re-form the group. Payload-level errors
-(checksums, skeleton, template mismatch) are raised after all 3 messages were consumed: the group stays usable.
+The framing here runs over any :data:`Op` (a function that sends or fills one tensor); which rank and
+which process group it talks to is :mod:`hp.checkpointless.transfer`'s. After a header-level error (magic,
+version, header CRC, size) the receiver cannot know how much to drain: re-form the group. Payload-level
+errors (checksums, skeleton, template mismatch) are raised after all 3 messages were consumed: the group
+stays usable.
 """
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import zlib
 from collections import OrderedDict
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from datetime import timedelta
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
 from hp.checkpointless.rng import capture_rng, restore_rng
 
-__all__ = ["DEFAULT_MAX_BYTES", "StateBuffer", "StateTransferError", "broadcast_state", "capture",
-           "checksum", "flatten", "from_peer", "recv_state", "recv_tensor", "restore", "send_state", "send_tensor", "unflatten",
-           "wire_nbytes"]
+__all__ = ["DEFAULT_MAX_BYTES", "Op", "StateBuffer", "StateTransferError", "capture", "checksum", "encode",
+           "flatten", "move", "receive", "restore", "transmit", "unflatten", "wire_nbytes"]
 
 MAGIC = int.from_bytes(b"HPSTATE1", "big")
 VERSION = 2  # 2: the header's CRC covers its flags (IN_PLACE)
@@ -233,8 +234,8 @@ def _seal(h: torch.Tensor) -> torch.Tensor:
     return h
 
 
-def _encode(state: Mapping[str, Any], buffer: StateBuffer | None = None,
-            in_place: torch.Tensor | None = None) -> list[torch.Tensor]:
+def encode(state: Mapping[str, Any], buffer: StateBuffer | None = None,
+           in_place: torch.Tensor | None = None) -> list[torch.Tensor]:
     """The 3 wire messages for `state`: header, JSON skeleton bytes, flat buffer. With ``in_place`` (the
     receiver's shared buffer, large enough) the buffer is packed there and only the first 2 are sent."""
     skeleton, tensors = flatten(state)
@@ -254,10 +255,11 @@ def _encode(state: Mapping[str, Any], buffer: StateBuffer | None = None,
     return [_header(len(payload), flat.numel(), zlib.crc32(payload), checksum(flat)), meta, flat]
 
 
-Op = Callable[[torch.Tensor], Any]
+Op = Callable[[torch.Tensor], Any]  # sends one tensor, or receives into it (transfer.py binds it to a group)
 
 
-def _move(op: Op, t: torch.Tensor, stage: str, peer: int) -> None:
+def move(op: Op, t: torch.Tensor, stage: str, peer: int) -> None:
+    """``op(t)``, its failure surfaced as a :class:`StateTransferError` (callers catch one type)."""
     try:
         op(t)
     except RuntimeError as e:  # gloo: peer reset / timeout; surfaced as ours so callers catch one type
@@ -265,26 +267,18 @@ def _move(op: Op, t: torch.Tensor, stage: str, peer: int) -> None:
                                  f"(peer died or timed out?): {e}") from e
 
 
-def _timeout(group: Any) -> timedelta:
-    """The group's collective timeout, for a send's or a receive's wait: gloo fixes their default at init,
-    and a group formed with a short connect bound (``group.CONNECT_TIMEOUT``) would time them out by it.
-    0 (the backend's default) where the group has no CPU backend."""
-    pg = group if group is not None else dist.distributed_c10d._get_default_group()
-    try:
-        return pg._get_backend(torch.device("cpu")).options._timeout
-    except (RuntimeError, AttributeError):
-        return timedelta(0)
-
-
-def _transmit(frames: Sequence[torch.Tensor], op: Op, peer: int) -> None:
+def transmit(frames: Sequence[torch.Tensor], op: Op, peer: int) -> None:
+    """Send the frames of :func:`encode` with ``op``, in order."""
     for stage, t in zip(("header", "json", "buffer"), frames):
-        _move(op, t, stage, peer)
+        move(op, t, stage, peer)
 
 
-def _receive(op: Op, peer: int, template: Mapping[str, Any] | None, buffer: StateBuffer | None,
-             max_bytes: int) -> dict:
+def receive(op: Op, peer: int, template: Mapping[str, Any] | None, buffer: StateBuffer | None,
+            max_bytes: int) -> dict:
+    """Receive with ``op`` what :func:`transmit` sent and check it all before anything is returned (never
+    partial); ``template`` and ``buffer`` as :func:`hp.checkpointless.transfer.recv_state` takes them."""
     header = torch.zeros(_HEADER_LEN, dtype=torch.int64)
-    _move(op, header, "header", peer)
+    move(op, header, "header", peer)
     magic, version, json_len, buf_len, json_crc, buf_crc, header_crc, flags = header.tolist()
     if magic != MAGIC:
         raise StateTransferError(f"bad magic {magic:#x} from rank {peer}: not an hp state stream")
@@ -299,10 +293,10 @@ def _receive(op: Op, peer: int, template: Mapping[str, Any] | None, buffer: Stat
     if flags not in (0, IN_PLACE) or (in_place and (buffer is None or buffer.data.numel() < buf_len)):
         raise StateTransferError(f"rank {peer} sent flags {flags} for {buf_len} bytes: not what this rank offered")
     meta = _alloc(json_len)
-    _move(op, meta, "json", peer)
+    move(op, meta, "json", peer)
     data = buffer.data if buffer is not None and buffer.data.numel() >= buf_len else _alloc(buf_len)
     if not in_place:  # in place: the sender packed it into our buffer before sending the header
-        _move(op, data[:buf_len], "buffer", peer)
+        move(op, data[:buf_len], "buffer", peer)
     if zlib.crc32(meta.numpy()) != json_crc:
         raise StateTransferError(f"JSON skeleton checksum mismatch from rank {peer}: corrupted in transit")
     if not in_place and checksum(data[:buf_len]) != buf_crc:
@@ -338,66 +332,11 @@ def _receive(op: Op, peer: int, template: Mapping[str, Any] | None, buffer: Stat
     return unflatten(skeleton, [mine[p][0] for p, _, _ in specs])
 
 
-def send_state(state: Mapping[str, Any], dst: int, group: Any = None, *,
-               buffer: StateBuffer | None = None, in_place: torch.Tensor | None = None) -> None:
-    """Send `state` to rank `dst` in 3 messages; pass a kept `buffer` to avoid re-faulting pages. With
-    ``in_place`` (the receiver's buffer in shared memory, :mod:`hp.checkpointless.shm`; it must hold
-    :func:`wire_nbytes` of the state) the flat buffer is packed there and 2 messages are sent."""
-    frames = _encode(state, buffer, in_place)
-    _transmit(frames, lambda t: dist.isend(t, dst, group=group).wait(_timeout(group)), dst)
-
-
-@contextlib.contextmanager
-def from_peer(peer: int, what: str) -> Iterator[None]:
-    """Using a state a peer sent (its tensors checked by :func:`recv_state`, its structure not): a message
-    without the fields or types the code reads is a :class:`StateTransferError` (the re-form is retried),
-    never a crash of the receiver."""
-    try:
-        yield
-    except (KeyError, IndexError, TypeError, ValueError, AttributeError) as e:
-        raise StateTransferError(f"rank {peer} sent a malformed {what}: {type(e).__name__}: {e}") from None
-
-
-def send_tensor(t: torch.Tensor, dst: int, group: Any = None) -> None:
-    """One small fixed-size message (an offer, a flag) to rank ``dst``, waited on with the group's timeout."""
-    _move(lambda x: dist.isend(x, dst, group=group).wait(_timeout(group)), t, "message", dst)
-
-
-def recv_tensor(t: torch.Tensor, src: int, group: Any = None) -> torch.Tensor:
-    """Receive into ``t`` what :func:`send_tensor` sent; returns ``t``."""
-    _move(lambda x: dist.irecv(x, src, group=group).wait(_timeout(group)), t, "message", src)
-    return t
-
-
-def recv_state(src: int, template: Mapping[str, Any] | None = None, group: Any = None, *,
-               buffer: StateBuffer | None = None, max_bytes: int = DEFAULT_MAX_BYTES) -> dict:
-    """Receive a state sent by `send_state` from rank `src`; raises StateTransferError, never partial.
-
-    Without `template` the returned tensors are views into one receive buffer (`buffer`'s if given and
-    big enough; it is overwritten by every receive, even a failed one). With `template` (same structure)
-    its tensors are overwritten in place, only after every check passed, and returned.
-    """
-    return _receive(lambda t: dist.irecv(t, src, group=group).wait(_timeout(group)), src, template, buffer,
-                    max_bytes)
-
-
-def broadcast_state(state: Mapping[str, Any] | None, src: int, group: Any = None, *,
-                    template: Mapping[str, Any] | None = None, buffer: StateBuffer | None = None,
-                    max_bytes: int = DEFAULT_MAX_BYTES) -> dict:
-    """1->many with the same 3-message framing; every rank of `group` calls it. `src` gets `state` back."""
-    op: Op = lambda t: dist.broadcast(t, src, group=group)  # noqa: E731
-    if dist.get_rank() == src:
-        if state is None:
-            raise ValueError("the source rank must pass a state")
-        _transmit(_encode(state, buffer), op, src)
-        return dict(state)
-    return _receive(op, src, template, buffer, max_bytes)
-
-
 def capture(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
             scheduler: Any = None, extra: dict | None = None, scaler: Any = None) -> dict:
     """Everything a replacement needs to continue bit-identically. Model/optimizer tensors are the live
-    ones (not copies), so the result is a valid `template` for an in-place `recv_state`."""
+    ones (not copies), so the result is a valid `template` for an in-place
+    :func:`hp.checkpointless.transfer.recv_state`."""
     sd = model.state_dict()
     rng = capture_rng()
     state = {"model": dict(sd), "model_meta": dict(getattr(sd, "_metadata", {}) or {}), "rng": rng,
@@ -413,7 +352,8 @@ def capture(model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = No
 
 def restore(state: Mapping[str, Any], model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None,
             scheduler: Any = None, scaler: Any = None, adopt: bool = False) -> dict:
-    """Load a `capture`d state (e.g. from `recv_state`) into live objects; returns its `extra`.
+    """Load a `capture`d state (e.g. from :func:`hp.checkpointless.transfer.recv_state`) into live objects;
+    returns its `extra`.
 
     ``adopt``: the received tensors are the receiver's to keep (views into its own receive buffer, as the
     optimizer keeps its state): each parameter of the same shape, dtype and device takes its received

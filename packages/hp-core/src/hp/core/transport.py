@@ -12,6 +12,7 @@ import os
 from datetime import timedelta
 from typing import TYPE_CHECKING
 
+from hp.core import pg
 from hp.core.errors import BackendUnavailableError
 from hp.core.hookspecs import hookimpl
 
@@ -58,7 +59,6 @@ class TransportBackend:
         waits keep their own bound (gloo hands them the shorter init timeout) and make point-to-point
         waits pass their own timeout (``Work.wait(timeout)``): gloo fixes their default at init."""
         import torch.distributed as dist
-        from torch.distributed.distributed_c10d import _set_pg_timeout
 
         self.check_available()
         init_timeout = self.init_timeout(timeout, connect_timeout)
@@ -72,10 +72,10 @@ class TransportBackend:
             )
         except BaseException:
             if not dist.is_initialized():
-                _forget_failed_group()
+                pg.forget_failed_group()
             raise
         if init_timeout != timeout:
-            _set_pg_timeout(timeout)  # torch has no public setter; the group's collectives get ``timeout``
+            pg.set_timeout(timeout)  # the group's collectives get ``timeout``
 
     def new_subgroup(self, ranks: list[int], timeout: timedelta = timedelta(minutes=10),
                      connect_timeout: timedelta | None = None) -> dist.ProcessGroup:
@@ -83,13 +83,12 @@ class TransportBackend:
         mesh), formed by its members only and on the default group's generation-prefixed store; the
         same bounds as :meth:`init_process_group`. Destroying the default group destroys it too."""
         import torch.distributed as dist
-        from torch.distributed.distributed_c10d import _set_pg_timeout
 
         init_timeout = self.init_timeout(timeout, connect_timeout)
         group = dist.new_group(sorted(ranks), timeout=init_timeout, backend=self.torch_backend,
                                use_local_synchronization=True)
         if init_timeout != timeout:
-            _set_pg_timeout(timeout, group)
+            pg.set_timeout(timeout, group)
         return group
 
     def init_timeout(self, timeout: timedelta, connect_timeout: timedelta | None) -> timedelta:
@@ -105,20 +104,8 @@ class TransportBackend:
         its sockets) outlive the call."""
         import torch.distributed as dist
 
-        from hp.core.pg_workarounds import destroy_process_group_now
-
         if dist.is_initialized():
-            destroy_process_group_now()
-
-
-def _forget_failed_group() -> None:
-    """A failed init used up a group name (torch names groups by a process-wide counter that only
-    destroying an *initialised* default group resets), so this process's next group would rendezvous
-    under a name a fresh process does not use, and both would wait on each other's keys until timeout.
-    torch has no public reset: this is what ``destroy_process_group`` does to the counter."""
-    from torch.distributed import distributed_c10d
-
-    distributed_c10d._world.group_count = 0
+            pg.destroy_process_group_now()
 
 
 class GlooTransport(TransportBackend):
@@ -201,14 +188,11 @@ class NcclTransport(TransportBackend):
         # NCCL communicators stuck in a kernel must be aborted first (destroying them would wait forever);
         # then destroying the group closes the gloo half's sockets, which releases peers blocked on them
         import torch.distributed as dist
-        from torch.distributed.distributed_c10d import _abort_process_group
-
-        from hp.core.pg_workarounds import destroy_process_group_now
 
         if dist.is_initialized():
-            _abort_process_group()
+            pg.abort_process_group()
         if dist.is_initialized():
-            destroy_process_group_now()
+            pg.destroy_process_group_now()
 
     def init_process_group(self, store, rank, world_size, generation, timeout=timedelta(minutes=10),
                            connect_timeout=None):

@@ -4,7 +4,7 @@ It runs the training script or module as ``python SCRIPT`` / ``python -m MODULE`
 ``sys.argv``, the script's directory first on ``sys.path``), after one thing no script should have to do:
 leaving SIGTERM to the agent (:mod:`hp.core.worker_signals`), done here while the process has one thread,
 before the script imports torch (whose import starts a thread that could otherwise take the signal);
-then the process-group workarounds of :mod:`hp.core.pg_workarounds` (a plain DDP script's exit).
+then the process-group workarounds of :mod:`hp.core.pg` (a plain DDP script's exit).
 Workers started cold (torch elastic) and forked ones (:mod:`hp.core.forkserver`) both come through
 :func:`exec_main`.
 """
@@ -17,7 +17,7 @@ import runpy
 import sys
 import types
 
-from hp.core.pg_workarounds import keep_destroyed_groups_until_exit
+from hp.core.pg import keep_destroyed_groups_until_exit
 from hp.core.worker_signals import defer_sigterm_to_agent
 
 
