@@ -8,16 +8,17 @@ import os
 from torch.distributed.elastic.multiprocessing import Std
 
 from hp.core.agent.env import heartbeat_file, worker_env
-from hp.core.config import RunConfig
+from hp.core.config import ElasticConfig, FaultToleranceConfig, LaunchConfig, RendezvousConfig, RunConfig
 from hp.core.worker_env import WorkerEnv
 from hp.core.workers import Worker
 
 TOKEN = "t" * 64
 
 
-def _cfg(**kw) -> RunConfig:
-    return RunConfig(entrypoint="train.py", nproc_per_node=2, nnodes=2, node_rank=1, max_restarts=3, run_id="job7",
-                     **kw)
+def _cfg(elastic: dict | None = None, rendezvous: dict | None = None) -> RunConfig:
+    return RunConfig(LaunchConfig(entrypoint="train.py", nproc_per_node=2, nnodes=2, node_rank=1, run_id="job7"),
+                     FaultToleranceConfig(max_restarts=3), ElasticConfig(**(elastic or {})),
+                     RendezvousConfig(**(rendezvous or {})))
 
 
 def _env(w: Worker, cfg: RunConfig, **kw) -> dict[str, str]:
@@ -62,7 +63,7 @@ def test_a_spare_has_no_rank_until_promoted_and_keeps_its_device():
 
 
 def test_it_reads_back_as_the_typed_contract():
-    cfg = _cfg(scaling_policy="policy.py")
+    cfg = _cfg(elastic={"scaling_policy": "policy.py"})
     env = _env(_worker(rank=3, local_rank=1, holder="r3@1"), cfg)
     back = WorkerEnv.from_env(env)
     assert (back.rank, back.local_rank, back.world_size, back.generation, back.agent_pid) == (3, 1, 4, 5, 4242)
@@ -82,6 +83,6 @@ def test_sources_merge_in_order_and_the_agent_s_own_environment_keeps_a_transpor
 
 
 def test_an_ha_job_tells_workers_to_follow_the_controller():
-    cfg = _cfg(store="etcd", store_endpoint="10.0.0.9:2379")
+    cfg = _cfg(rendezvous={"store": "etcd", "store_endpoint": "10.0.0.9:2379"})
     env = _env(_worker(rank=0, local_rank=0, holder="r0@0"), cfg, store="etcd")
     assert env["HP_CONTROLLER_HA"] == "1" and env["HP_STORE"] == "etcd"

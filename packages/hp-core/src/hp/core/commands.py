@@ -12,7 +12,9 @@ import time
 
 from hp.core import auth
 from hp.core.auth import read_token
-from hp.core.config import RunConfig, check_name, check_port, check_seconds, parse_endpoint, parse_nnodes
+from hp.core.config import (SECTIONS, ElasticConfig, FaultToleranceConfig, LaunchConfig, LoggingConfig, RendezvousConfig,
+                            RunConfig, add_section_flags, check_name, check_port, check_seconds, parse_endpoint,
+                            parse_nnodes, section_from_args)
 from hp.core.errors import UsageError
 from hp.core.plugins import load_scaler
 from hp.core.hookspecs import hookimpl
@@ -21,91 +23,54 @@ from hp.core.hookspecs import hookimpl
 def _add_run(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("run", help="run this node's agent and workers (torchrun-like)")
     a = p.add_argument
+    # the flags parsed by hand (a value that is not one field); every other flag comes from its config field
     a("--nnodes", default="1", help="number of nodes (agents) in the job, or MIN:MAX for an elastic job "
                                      "(starts with MIN; more nodes may join up to MAX; needs --scaling-policy)")
-    a("--scaling-policy", default=None, metavar="FILE",
-      help="elastic training: a ScalingPolicy YAML file (hp-elastic): shrink instead of stopping when a "
-           "rank dies with no spare, grow into joining nodes, leave gracefully on SIGTERM")
-    a("--capacity-file", default=None, metavar="FILE",
-      help="elastic, node hosting the controller: follow the number of ranks written in FILE (the local "
-           "scheduler's capacity source; `hp scale` is the other way to set it)")
-    a("--grace-period", type=float, default=30.0,
-      help="elastic: seconds this node's ranks get after SIGTERM to leave at a step boundary (or, where the "
-           "job cannot go on without the node, to save their last committed step before the job stops)")
-    a("--nproc-per-node", "--nproc_per_node", type=int, default=1, help="workers on this node")
-    a("--node-rank", "--node_rank", type=int, default=0, help="this node's rank in [0, nnodes)")
     a("--rdzv-endpoint", "--rdzv_endpoint", default=None,
       help="controller HOST:PORT; node 0 hosts it there unless --external-controller. With --store etcd: "
            "the etcd cluster, HOST[:PORT][,HOST[:PORT]...] (like torchrun's etcd rendezvous): the agents elect "
            "the controller among themselves and any of them takes over if its node dies (give every node "
            "the same --run-id)")
-    a("--controller-port", type=int, default=0,
-      help="--store etcd: the port this node serves the controller on when elected (default: any free one)")
-    a("--node-relay", action=argparse.BooleanOptionalAction, default=True,
-      help="workers learn new generations from this node's agent (one blocking watcher of the store per node, "
-           "hp.core.fanout; the default) instead of each polling the store (--no-node-relay)")
-    a("--controller-lease", type=int, default=2,
-      help="--store etcd: seconds of the controller's lease in etcd: a standby takes over this long after "
-           "the leader's node dies")
-    a("--external-controller", action="store_true", help="a standalone `hp controller` runs this job")
-    a("--max-restarts", "--max_restarts", type=int, default=0, help="worker restarts the job tolerates")
-    a("--monitor-interval", "--monitor_interval", type=float, default=0.1, help="seconds between worker polls")
-    a("--heartbeat-interval", type=float, default=1.0, help="seconds between agent heartbeats")
-    a("--heartbeat-timeout", type=float, default=30.0,
-      help="seconds of silence before a node counts as lost (its ranks go to spares on other nodes); "
-           "an agent cut off from the controller kills its workers two heartbeats earlier")
-    a("--hang-timeout", type=float, default=30.0,
-      help="kill a worker whose hp heartbeat is silent this long (0: never)")
-    a("--rdzv-timeout", type=float, default=300.0, help="seconds to wait for every node to join")
-    a("--log-dir", "--log_dir", default=None, help="worker logs go to LOG_DIR/rank<R>/attempt_<k>/")
-    a("--tee", type=int, default=3, help="streams echoed with a [rankN]: prefix: 0 none, 1 out, 2 err, 3 both")
-    a("--spares", type=int, default=0,
-      help="hot spare processes on this node, given a failed rank (scripts using hp.checkpointless)")
-    a("--start-method", choices=("forkserver", "spawn"), default="forkserver",
-      help="how workers and spares start: forked from one process per node that imported torch once "
-           "(default), or each a new interpreter through torch elastic, as torchrun starts them")
-    a("--replenish-spares", action=argparse.BooleanOptionalAction, default=False,
-      help="start a new spare each time one of this node's spares takes a rank (default off: the "
-           "new process's start competes for CPU with the ranks replaying the failed step)")
-    a("--service", action="append", default=[], metavar="NAME[:KEY=VALUE,...]",
-      help="start a node service beside the workers (repeatable; see `hp backends`, family "
-           "node_service), e.g. --service ckpt:replicas=1 for hp-tiered-ckpt's checkpoint daemon")
-    a("--transport", default="gloo", help="collective transport plugin (see `hp backends`)")
-    a("--store", default="tcp", help="coordination store plugin")
     a("--run-id", default=None, help="job id shared by every node (default: random)")
     a("--token-file", default=None, help=f"file holding the job token (default: ${auth.TOKEN_ENV})")
+    for name, section in SECTIONS.items():
+        add_section_flags(p, name, section)
     a("-m", "--module", action="store_true", help="run the entrypoint as a Python module")
     a("entrypoint", help="training script (or module with -m)")
     a("args", nargs=argparse.REMAINDER, help="arguments for the training script")
     p.set_defaults(handler=_run)
 
 
-def _run(args: argparse.Namespace) -> int:
+def run_config(args: argparse.Namespace) -> RunConfig:
+    """``hp run``'s flags as a :class:`RunConfig` (validated)."""
     nnodes, max_nnodes = parse_nnodes(args.nnodes)
     if max_nnodes is not None and args.scaling_policy is None:
         raise UsageError("--nnodes MIN:MAX makes an elastic job: give its --scaling-policy FILE")
-    cfg = RunConfig(
-        entrypoint=args.entrypoint, args=list(args.args), module=args.module,
-        nnodes=nnodes, max_nnodes=max_nnodes, scaling_policy=args.scaling_policy, grace_period_s=args.grace_period,
-        capacity_file=args.capacity_file, nproc_per_node=args.nproc_per_node, node_rank=args.node_rank,
-        rdzv_endpoint=parse_endpoint(args.rdzv_endpoint) if args.rdzv_endpoint and args.store != "etcd" else None,
-        store_endpoint=_etcd_endpoint(args.rdzv_endpoint) if args.rdzv_endpoint and args.store == "etcd" else None,
-        controller_port=args.controller_port, controller_lease_s=args.controller_lease, node_relay=args.node_relay,
-        external_controller=args.external_controller, max_restarts=args.max_restarts,
-        monitor_interval_s=args.monitor_interval, heartbeat_interval_s=args.heartbeat_interval,
-        heartbeat_timeout_s=args.heartbeat_timeout, hang_timeout_s=args.hang_timeout, rdzv_timeout_s=args.rdzv_timeout,
-        log_dir=args.log_dir, tee=args.tee, spares=args.spares, start_method=args.start_method,
-        replenish_spares=args.replenish_spares, transport=args.transport, store=args.store,
-        services=list(args.service),
-    )
+    etcd, endpoint = args.store == "etcd", args.rdzv_endpoint
+    launch = {"entrypoint": args.entrypoint, "args": list(args.args), "module": args.module, "nnodes": nnodes}
     if args.run_id:
-        cfg.run_id = args.run_id
+        launch["run_id"] = args.run_id
+    cfg = RunConfig(
+        launch=section_from_args(LaunchConfig, args, launch),
+        fault_tolerance=section_from_args(FaultToleranceConfig, args),
+        elastic=section_from_args(ElasticConfig, args, {"max_nnodes": max_nnodes}),
+        rendezvous=section_from_args(
+            RendezvousConfig, args, {"rdzv_endpoint": parse_endpoint(endpoint) if endpoint and not etcd else None,
+                                     "store_endpoint": _etcd_endpoint(endpoint) if endpoint and etcd else None}),
+        logging=section_from_args(LoggingConfig, args),
+    )
     cfg.validate()
-    scaler = load_scaler(cfg.scaling_policy) if cfg.scaling_policy is not None else None
-    token = read_token(args, required=cfg.nnodes > 1 or (cfg.max_nnodes or 1) > 1 or cfg.external_controller)
+    return cfg
+
+
+def _run(args: argparse.Namespace) -> int:
+    cfg = run_config(args)
+    scaler = load_scaler(cfg.elastic.scaling_policy) if cfg.elastic.scaling_policy is not None else None
+    token = read_token(args, required=cfg.launch.nnodes > 1 or (cfg.elastic.max_nnodes or 1) > 1
+                       or cfg.rendezvous.external_controller)
     from hp.core.agent import Agent  # imports torch: only once the arguments are known to be good
 
-    if cfg.start_method == "forkserver":  # forked from this process, before it starts its threads
+    if cfg.launch.start_method == "forkserver":  # forked from this process, before it starts its threads
         from hp.core import fork_context
 
         fork_context.fork_here(cfg.worker_thread_env())

@@ -54,15 +54,15 @@ class Agent:
         config.validate()
         self.cfg = config
         self.token = token
-        self.transport = get_backend("transport", config.transport)
+        self.transport = get_backend("transport", config.launch.transport)
         self.transport.check_available()
         health.min_free_mb(os.environ)  # a bad health-check setting: one line now, not in a recovery
-        self.store_backend = get_backend("store", config.store)
-        self.services = ServiceHost(config.services)
-        if scaler is None and config.scaling_policy is not None:  # a bad policy: one line, before anything starts
-            scaler = load_scaler(config.scaling_policy)
+        self.store_backend = get_backend("store", config.rendezvous.store)
+        self.services = ServiceHost(config.launch.services)
+        if scaler is None and config.elastic.scaling_policy is not None:  # a bad policy: one line, before anything starts
+            scaler = load_scaler(config.elastic.scaling_policy)
         self.scaler = scaler
-        self.log_dir = config.log_dir or tempfile.mkdtemp(prefix=f"hp_{config.run_id}_")
+        self.log_dir = config.logging.log_dir or tempfile.mkdtemp(prefix=f"hp_{config.launch.run_id}_")
         try:
             os.makedirs(self.log_dir, exist_ok=True)
         except OSError as e:  # under /proc, a file in the way, no permission: one line, nothing started
@@ -77,29 +77,29 @@ class Agent:
     def run(self) -> int:
         """Run this node's part of the job; returns the exit code for ``hp run``."""
         previous = self.signals.install()
-        forked = self.cfg.start_method == "forkserver"
+        forked = self.cfg.launch.start_method == "forkserver"
         try:
             if forked:  # every worker is forked from it: torch is imported once, before this node joins (hp run
                 fork_context.warm(self.cfg.worker_thread_env(), wait=True)  # started it: hp.core.commands)
             client = self.link.connect()
             a = self.assignment = rendezvous(self.cfg, self.link, client)
             start_services(self.cfg, self.services, self.link, client, a, self.store_backend, self.log_dir, self.token)
-            if self.cfg.node_relay:
+            if self.cfg.rendezvous.node_relay:
                 # connecting is bounded like a read (RELAY_WAIT_S): torch retries a refused connect in C++
                 self.relay = Relay(lambda: self.store_backend.connect(a.store_host, a.store_port,
                                                                       timedelta(seconds=RELAY_WAIT_S),
-                                                                      job=self.cfg.run_id),
-                                   self.token, self.cfg.node_rank, a.generation, log=say).start()
+                                                                      job=self.cfg.launch.run_id),
+                                   self.token, self.cfg.launch.node_rank, a.generation, log=say).start()
             self.pool.start(a, forkserver.ForkedWorker if forked else Worker)
-            if not forked and ((self.cfg.replenish_spares and self.cfg.spares) or self.cfg.scaling_policy is not None):
+            if not forked and ((self.cfg.fault_tolerance.replenish_spares and self.cfg.fault_tolerance.spares) or self.cfg.elastic.scaling_policy is not None):
                 # replacements (and, elastic, the new process of a rank the job shrank without) are
                 # forked from it: their imports are paid now, once
                 fork_context.warm(self.cfg.worker_thread_env())
-            cuts = Cuts((self.link.address, self.cfg.controller_endpoint.host))
+            cuts = Cuts((self.link.address, self.cfg.rendezvous.controller_endpoint.host))
             return Monitor(self.cfg, self.link, self.pool, self.departure, self.services, cuts,
                            elastic=self.scaler is not None).run(client)
         except SignalException as e:
-            if self.cfg.scaling_policy is not None and self.link.client is not None:
+            if self.cfg.elastic.scaling_policy is not None and self.link.client is not None:
                 code = self.departure.leave(e.sigval)
                 if code is not None:
                     return code
@@ -110,13 +110,13 @@ class Agent:
         except Fenced as e:
             self.pool.kill()  # now: they must not commit another step
             self.pool.stop(signal.SIGKILL)
-            say(f"node {self.cfg.node_rank} fenced itself: {e}; its workers were killed")
+            say(f"node {self.cfg.launch.node_rank} fenced itself: {e}; its workers were killed")
             return 1
         except JobFailed as e:
             self.pool.stop(signal.SIGTERM)
             say(f"job failed: {e}")
-            if self.link.hosts_controller and self.cfg.nnodes > 1:
-                time.sleep(2 * self.cfg.heartbeat_interval_s)  # let the other agents hear why
+            if self.link.hosts_controller and self.cfg.launch.nnodes > 1:
+                time.sleep(2 * self.cfg.fault_tolerance.heartbeat_interval_s)  # let the other agents hear why
             return 1
         finally:
             self.pool.stop(signal.SIGTERM)

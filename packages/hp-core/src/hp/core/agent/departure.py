@@ -35,7 +35,7 @@ class Departure:
         this node (below the policy's minimum, or it hosts the controller) the job is preempted: its ranks save
         their last committed step and exit (:meth:`preempted`). None: stop as a fixed-size job does (the
         controller could not be asked, or refused)."""
-        deadline = time.monotonic() + self.cfg.grace_period_s
+        deadline = time.monotonic() + self.cfg.elastic.grace_period_s
         try:
             answer = self.link.tell(Verb.NODE_LEAVING,
                                     {"signal": sig.name, "hosts_controller": self.link.hosts_controller})
@@ -49,16 +49,16 @@ class Departure:
             return None
         self.pool.leave(answer.get("spares", []))
         say(f"{sig.name}: this node's ranks leave the job at the next step boundary (generation "
-            f"{answer['generation']}, {answer['world_size']} ranks stay; grace {self.cfg.grace_period_s:g} s)")
+            f"{answer['generation']}, {answer['world_size']} ranks stay; grace {self.cfg.elastic.grace_period_s:g} s)")
         while time.monotonic() < deadline:
             if self.pool.workers_exited():
                 say("left the job gracefully")
                 return 0
-            time.sleep(self.cfg.monitor_interval_s)
+            time.sleep(self.cfg.fault_tolerance.monitor_interval_s)
         # the job already goes on without this node (the controller made the generation without it): what is
         # left here is a process still exiting, or a rank that never reached the boundary (the others replay
         # that step). Telling the controller this node stopped would fail a job this node has left.
-        say(f"grace period of {self.cfg.grace_period_s:g} s over: killing this node's processes still running; "
+        say(f"grace period of {self.cfg.elastic.grace_period_s:g} s over: killing this node's processes still running; "
             f"the job goes on without them")
         self.pool.stop(signal.SIGKILL)
         return 0
@@ -84,6 +84,6 @@ class Departure:
                 if finished:
                     say("the job's ranks saved their last committed step and stopped (preempted)")
                     return EXIT_PREEMPTED
-            time.sleep(self.cfg.monitor_interval_s)
+            time.sleep(self.cfg.fault_tolerance.monitor_interval_s)
         say("grace period over before every rank saved: stopping; a restart resumes from the newest complete checkpoint")
         return EXIT_PREEMPTED

@@ -29,12 +29,12 @@ def worker_env(w: Worker, cfg: RunConfig, *, world_size: int, store_host: str, s
     the agent's own environment (``outer_env``) sets is left to it: the worker inherits that value."""
     contract = WorkerEnv(
         generation=generation, world_size=world_size, local_rank=w.local_rank,  # its device, a spare's too:
-        local_world_size=cfg.nproc_per_node, node_rank=cfg.node_rank,     # it keeps it when promoted
-        nnodes=cfg.nnodes, store_host=store_host, store_port=store_port, run_id=cfg.run_id, token=token,
+        local_world_size=cfg.launch.nproc_per_node, node_rank=cfg.launch.node_rank,     # it keeps it when promoted
+        nnodes=cfg.launch.nnodes, store_host=store_host, store_port=store_port, run_id=cfg.launch.run_id, token=token,
         rank=w.rank if w.spare_id is None else -1, spare_id=w.spare_id, holder=w.holder, controller=controller,
-        controller_ha=cfg.ha, transport=transport, store=store, log_dir=log_dir, heartbeat_file=w.heartbeat_file,
-        agent_pid=agent_pid, max_restarts=cfg.max_restarts,
-        scaling_policy=None if cfg.scaling_policy is None else os.path.abspath(cfg.scaling_policy),
+        controller_ha=cfg.rendezvous.ha, transport=transport, store=store, log_dir=log_dir, heartbeat_file=w.heartbeat_file,
+        agent_pid=agent_pid, max_restarts=cfg.fault_tolerance.max_restarts,
+        scaling_policy=None if cfg.elastic.scaling_policy is None else os.path.abspath(cfg.elastic.scaling_policy),
     )
     env = {k: v for k, v in transport_defaults.items() if k not in outer_env}
     env.update(services_env)

@@ -71,20 +71,20 @@ class Link:
 
     # ---- reaching the controller ------------------------------------------------------------
     def connect(self) -> ControlClient:
-        if self.cfg.ha:
+        if self.cfg.rendezvous.ha:
             return self._join_replicas()
         if self.cfg.hosts_controller:
             self._host_controller()
-            self.address = self.cfg.controller_endpoint.host
+            self.address = self.cfg.rendezvous.controller_endpoint.host
             say(f"controller at {self.server.endpoint}, store at {self.store.host}:{self.store.port}, "
                 f"logs in {self.log_dir}")
-            return ControlClient(self.server.endpoint, self.token, node=self.cfg.node_rank)
-        ep = self.cfg.controller_endpoint
+            return ControlClient(self.server.endpoint, self.token, node=self.cfg.launch.node_rank)
+        ep = self.cfg.rendezvous.controller_endpoint
         self.address = local_address(ep.host, ep.port)
-        return ControlClient(str(ep), self.token, node=self.cfg.node_rank)
+        return ControlClient(str(ep), self.token, node=self.cfg.launch.node_rank)
 
     def _host_controller(self) -> None:
-        ep = self.cfg.controller_endpoint
+        ep = self.cfg.rendezvous.controller_endpoint
         self.store = self.store_backend.serve(ep.host, 0)
         publish = sealing(self.store.store.set, self.token)  # workers refuse values not sealed with the token
         controller = self._new_controller(self.store.host, self.store.port, publish)
@@ -92,10 +92,10 @@ class Link:
 
     def _new_controller(self, store_host: str, store_port: int, publish, persist=None) -> Controller:
         config = ControllerConfig(
-            nnodes=self.cfg.nnodes,
-            max_nodes=self.cfg.max_nnodes,
-            max_restarts=self.cfg.max_restarts,
-            heartbeat_timeout_s=self.cfg.heartbeat_timeout_s,
+            nnodes=self.cfg.launch.nnodes,
+            max_nodes=self.cfg.elastic.max_nnodes,
+            max_restarts=self.cfg.fault_tolerance.max_restarts,
+            heartbeat_timeout_s=self.cfg.fault_tolerance.heartbeat_timeout_s,
             store_host=store_host,
             store_port=store_port,
             decision_log=os.path.join(self.log_dir, "controller_decisions.jsonl"),
@@ -109,25 +109,25 @@ class Link:
         from hp.core.etcd_store import DEFAULT_PORT, parse_endpoints
         from hp.core.leader import ControllerReplica, LeaderResolver
 
-        endpoints = self.cfg.store_endpoint
+        endpoints = self.cfg.rendezvous.store_endpoint
         self.address = local_address(*parse_endpoints(endpoints)[0])
         # the controller names one live node's store per generation for its ranks to form their group on:
         # as fast as a TCPStore, hosted by no rank, and another node's once this one is lost
         self.forming = get_backend("store", "tcp").serve(self.address or "127.0.0.1", 0)
-        store = self.store_backend.connect(endpoints, DEFAULT_PORT, job=self.cfg.run_id)
-        own = self.store_backend.connect(endpoints, DEFAULT_PORT, job=self.cfg.run_id)  # the replica's thread's
+        store = self.store_backend.connect(endpoints, DEFAULT_PORT, job=self.cfg.launch.run_id)
+        own = self.store_backend.connect(endpoints, DEFAULT_PORT, job=self.cfg.launch.run_id)  # the replica's thread's
         self.replica = ControllerReplica(
             own, self.token, lambda persist: self._new_controller(endpoints, DEFAULT_PORT, sealing(own.set, self.token),
                                                                   persist),
-            host=self.address or "127.0.0.1", port=self.cfg.controller_port, node=self.cfg.node_rank,
-            ttl_s=self.cfg.controller_lease_s, say=say).start()
+            host=self.address or "127.0.0.1", port=self.cfg.rendezvous.controller_port, node=self.cfg.launch.node_rank,
+            ttl_s=self.cfg.rendezvous.controller_lease_s, say=say).start()
         resolver = LeaderResolver(store, self.token)
-        endpoint = resolver.wait_for_other("", time.monotonic() + self.cfg.rdzv_timeout_s)
+        endpoint = resolver.wait_for_other("", time.monotonic() + self.cfg.rendezvous.rdzv_timeout_s)
         if endpoint is None:
-            raise JobFailed(f"no controller was elected within {self.cfg.rdzv_timeout_s:g} s (etcd at {endpoints})")
-        say(f"controller elected among the agents, now at {endpoint} (etcd at {endpoints}, job {self.cfg.run_id}); "
+            raise JobFailed(f"no controller was elected within {self.cfg.rendezvous.rdzv_timeout_s:g} s (etcd at {endpoints})")
+        say(f"controller elected among the agents, now at {endpoint} (etcd at {endpoints}, job {self.cfg.launch.run_id}); "
             f"logs in {self.log_dir}")
-        self.client = ControlClient(endpoint, self.token, node=self.cfg.node_rank, follow=resolver.wait_for_other)
+        self.client = ControlClient(endpoint, self.token, node=self.cfg.launch.node_rank, follow=resolver.wait_for_other)
         return self.client
 
     def forming_store(self) -> str | None:
@@ -136,16 +136,16 @@ class Link:
 
     def endpoint(self) -> str:
         """The controller's endpoint a worker is told (``HP_CONTROLLER``)."""
-        if self.client is not None and self.cfg.ha:
+        if self.client is not None and self.cfg.rendezvous.ha:
             return self.client.endpoint  # the leader this agent last reached
-        return self.server.endpoint if self.server else str(self.cfg.controller_endpoint)
+        return self.server.endpoint if self.server else str(self.cfg.rendezvous.controller_endpoint)
 
     # ---- requests ---------------------------------------------------------------------------
     def call_until(self, client: ControlClient, verb: Verb, payload: dict, done, what: str,
                    rejoin: bool = False) -> dict:
         """Retry ``verb`` until ``done(answer)`` or the rendezvous timeout; unreachable is retried.
         ``rejoin``: a 403 (this node is not a member) raises :class:`Rejoin` instead of failing."""
-        deadline = time.monotonic() + self.cfg.rdzv_timeout_s
+        deadline = time.monotonic() + self.cfg.rendezvous.rdzv_timeout_s
         last_error = "no answer"
         while time.monotonic() < deadline:
             try:
@@ -159,7 +159,7 @@ class Link:
                     raise JobFailed(str(e)) from None
                 last_error = str(e)
             time.sleep(0.1)
-        raise JobFailed(f"{what} timed out after {self.cfg.rdzv_timeout_s:.0f} s ({last_error})")
+        raise JobFailed(f"{what} timed out after {self.cfg.rendezvous.rdzv_timeout_s:.0f} s ({last_error})")
 
     def call(self, client: ControlClient, verb: Verb, payload: dict, fenced: bool = False) -> dict:
         """One request stamped with this node and generation. A stale-generation refusal is
@@ -169,19 +169,19 @@ class Link:
         while True:
             sent = time.monotonic()
             # no request may outlast the lease: the fencing deadline holds even when packets vanish
-            lease_left = self.last_ok + self.cfg.fence_after_s - sent
+            lease_left = self.last_ok + self.cfg.fault_tolerance.fence_after_s - sent
             try:
-                answer = client.call(verb, {**payload, "node_rank": self.cfg.node_rank, "generation": self.generation},
+                answer = client.call(verb, {**payload, "node_rank": self.cfg.launch.node_rank, "generation": self.generation},
                                      timeout_s=min(10.0, max(0.2, lease_left)))
                 self.last_ok = max(self.last_ok, sent)
                 return answer
             except ControlPlaneError as e:
                 if not e.status:
                     silent = time.monotonic() - self.last_ok
-                    if silent > self.cfg.fence_after_s:
+                    if silent > self.cfg.fault_tolerance.fence_after_s:
                         raise Fenced(f"no answer from the controller at {client.endpoint} for {silent:.1f} s "
-                                     f"(lease {self.cfg.fence_after_s:g} s, generation {self.generation}): {e}") from None
-                    time.sleep(min(0.2, self.cfg.heartbeat_interval_s))
+                                     f"(lease {self.cfg.fault_tolerance.fence_after_s:g} s, generation {self.generation}): {e}") from None
+                    time.sleep(min(0.2, self.cfg.fault_tolerance.heartbeat_interval_s))
                     continue
                 if fenced and not caught_up and e.status == 409 and "generation" in e.body:
                     self.generation, caught_up = e.body["generation"], True
@@ -194,8 +194,8 @@ class Link:
 
     def tell_stopping(self, why: str) -> None:
         try:
-            ControlClient(self.endpoint(), self.token, timeout_s=2, node=self.cfg.node_rank).call(
-                Verb.NODE_STOPPING, {"node_rank": self.cfg.node_rank, "generation": self.generation, "reason": why})
+            ControlClient(self.endpoint(), self.token, timeout_s=2, node=self.cfg.launch.node_rank).call(
+                Verb.NODE_STOPPING, {"node_rank": self.cfg.launch.node_rank, "generation": self.generation, "reason": why})
         except ControlPlaneError:
             pass  # the controller may be gone already; stopping goes on regardless
 

@@ -43,7 +43,7 @@ class Monitor:
         next_beat = 0.0
         while True:
             for w in list(self.pool.workers):
-                if w.running and not w.hung and self.cfg.hang_timeout_s and w.silent_for() > self.cfg.hang_timeout_s:
+                if w.running and not w.hung and self.cfg.fault_tolerance.hang_timeout_s and w.silent_for() > self.cfg.fault_tolerance.hang_timeout_s:
                     say(f"rank {w.rank} (pid {w.pid}) hung: no heartbeat for {w.silent_for():.1f} s; killing it")
                     w.kill_hung()
                 if w.running and (status := w.poll()) is not None:
@@ -68,7 +68,7 @@ class Monitor:
                     self._act(w, answer)
             if time.monotonic() >= next_beat:
                 asked = time.monotonic()
-                next_beat = asked + self.cfg.heartbeat_interval_s
+                next_beat = asked + self.cfg.fault_tolerance.heartbeat_interval_s
                 beat = self.link.call(client, Verb.HEARTBEAT, {})
                 for line in self.services.check():
                     say(line)
@@ -81,7 +81,7 @@ class Monitor:
                 if beat["state"] == JobState.FAILED:
                     raise JobFailed(beat["reason"])
                 if beat["state"] == JobState.PREEMPTED:
-                    return self.departure.preempted(client, time.monotonic() + self.cfg.grace_period_s)
+                    return self.departure.preempted(client, time.monotonic() + self.cfg.elastic.grace_period_s)
                 if beat["state"] == JobState.SUCCEEDED:
                     return 0
             self._scaled_out()
@@ -91,12 +91,12 @@ class Monitor:
                 self.pool.drop_spares()
                 done = self.departure.report_done(client)
                 if done["state"] == JobState.PREEMPTED:  # they saved and exited before a heartbeat told us
-                    return self.departure.preempted(client, time.monotonic() + self.cfg.grace_period_s)
+                    return self.departure.preempted(client, time.monotonic() + self.cfg.elastic.grace_period_s)
                 if not self.cfg.hosts_controller:
-                    say(f"node {self.cfg.node_rank}: all {len(workers)} workers succeeded")
+                    say(f"node {self.cfg.launch.node_rank}: all {len(workers)} workers succeeded")
                     return 0
                 next_beat = 0.0
-            time.sleep(self.cfg.monitor_interval_s)
+            time.sleep(self.cfg.fault_tolerance.monitor_interval_s)
 
     def _on_failure(self, client: ControlClient, w: Worker) -> None:
         st = w.exit
@@ -131,9 +131,9 @@ class Monitor:
     def _follow_capacity(self, client: ControlClient) -> None:
         """Elastic, on the node hosting the controller: the scheduler's capacity, when it changed, becomes
         the job's (the controller shrinks or grows at a step boundary)."""
-        if not self.link.hosts_controller or self.cfg.capacity_file is None:
+        if not self.link.hosts_controller or self.cfg.elastic.capacity_file is None:
             return
-        replicas = get_backend("scheduler", self.cfg.scheduler).capacity(self.cfg.capacity_file).replicas
+        replicas = get_backend("scheduler", self.cfg.elastic.scheduler).capacity(self.cfg.elastic.capacity_file).replicas
         if replicas is None or replicas == self.capacity:
             return
         self.capacity = replicas

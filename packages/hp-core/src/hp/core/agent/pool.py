@@ -37,7 +37,7 @@ class Pool:
         self.spares: list[Worker] = []  # started, waiting to be given a rank
         self.devices = DeviceSlots(0)  # sized by start()
         self.command: list[str] = []
-        self.next_spare = config.spares  # index of the next replacement spare's id
+        self.next_spare = config.fault_tolerance.spares  # index of the next replacement spare's id
 
     def processes(self) -> list[Worker]:
         return self.workers + self.spares
@@ -45,23 +45,23 @@ class Pool:
     # ---- starting -----------------------------------------------------------------------
     def start(self, a: Assignment, kind: type[Worker]) -> None:
         """This node's workers (none for a node that joins a running job) and the spares the controller named."""
-        command = self.command = python_command(self.cfg.entrypoint, self.cfg.args, self.cfg.module)
+        command = self.command = python_command(self.cfg.launch.entrypoint, self.cfg.launch.args, self.cfg.launch.module)
         os.makedirs(os.path.join(self.log_dir, "heartbeats"), exist_ok=True)
-        tee = Std(self.cfg.tee)
+        tee = Std(self.cfg.logging.tee)
         # one device slot (LOCAL_RANK) per process, spares included (hp.core.devices)
-        self.devices = DeviceSlots(self.cfg.nproc_per_node + len(a.spare_ids))
+        self.devices = DeviceSlots(self.cfg.launch.nproc_per_node + len(a.spare_ids))
         if a.rank_offset >= 0:
-            for _ in range(self.cfg.nproc_per_node):
+            for _ in range(self.cfg.launch.nproc_per_node):
                 local_rank = self.devices.take()  # 0, 1, ... in order
                 rank = a.rank_offset + local_rank
                 self.workers.append(kind(rank, local_rank, command, self.log_dir, tee, holder=worker_holder(rank, 0)))
         else:
-            say(f"node {self.cfg.node_rank} joins a running job: its {self.cfg.nproc_per_node} process(es) "
+            say(f"node {self.cfg.launch.node_rank} joins a running job: its {self.cfg.launch.nproc_per_node} process(es) "
                 f"start as spares that the job grows into")
         for sid in a.spare_ids:
             self.spares.append(kind(-1, self.devices.take(), command, self.log_dir, tee, spare_id=sid,
                                     holder=spare_holder(sid)))
-        self.next_spare = 1 + max((int(s.rpartition("s")[2]) for s in a.spare_ids), default=self.cfg.spares - 1)
+        self.next_spare = 1 + max((int(s.rpartition("s")[2]) for s in a.spare_ids), default=self.cfg.fault_tolerance.spares - 1)
         for w in self.workers + self.spares:
             with self.starting():
                 self._launch(w)
@@ -82,9 +82,9 @@ class Pool:
         """Replace a promoted spare (or, ``joiner``, a rank the job shrank without: the job grows back into
         it once it is ready): a new process with a never-used id, registered as free. It starts while the
         job trains, so it is forked with torch already imported (hp.core.forkserver)."""
-        sid = spare_id(self.cfg.node_rank, self.next_spare)
+        sid = spare_id(self.cfg.launch.node_rank, self.next_spare)
         self.next_spare += 1
-        w = forkserver.ForkedWorker(-1, self.devices.take(), self.command, self.log_dir, Std(self.cfg.tee),
+        w = forkserver.ForkedWorker(-1, self.devices.take(), self.command, self.log_dir, Std(self.cfg.logging.tee),
                                     spare_id=sid, holder=spare_holder(sid))
         with self.starting():
             self._launch(w)
@@ -103,7 +103,7 @@ class Pool:
         self.workers.append(spare)
         say(f"spare {spare.spare_id} (pid {spare.pid}) now holds rank {spare.rank} "
             f"(generation {promotion['generation']})")
-        if self.cfg.replenish_spares:
+        if self.cfg.fault_tolerance.replenish_spares:
             self.add_spare()
 
     def retire(self, w: Worker) -> None:
