@@ -71,6 +71,7 @@ def test_a_forked_ddp_worker_that_destroys_its_group_exits(tmp_path: Path):
     finally:
         if w.poll() is None:
             w.kill_hung()
+        w.finish()  # stops the log tails: their threads would keep this process from exiting
     out = (tmp_path / w.name / "attempt_0" / "stdout.log").read_text()
     assert status.ok and out.splitlines() == ["destroyed with a late gloo thread", "returned"], out
 
