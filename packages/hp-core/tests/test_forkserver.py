@@ -46,6 +46,7 @@ def _wait_exit(w: forkserver.ForkedWorker, timeout: float = 120):
     while (status := w.poll()) is None:
         assert time.monotonic() < deadline, "the forked worker never ended"
         time.sleep(0.05)
+    w.finish()  # stops the log tails: their threads would keep this process from exiting
     return status
 
 
