@@ -35,6 +35,7 @@ from torch import nn
 from torch.distributed.optim import ZeroRedundancyOptimizer
 
 from hp.checkpointless import hydration, sharded, transfer
+from hp.checkpointless.agreement import Agreement
 from hp.checkpointless.events import EventLog
 from hp.checkpointless.registry import TrainingState
 from hp.checkpointless.transaction import StepTransaction
@@ -152,7 +153,7 @@ class Rank:
                 held.copy_(torch.tensor(held_ring))
             dist.all_reduce(held)
             ring = tuple(held.tolist())
-        agreement = hydration.Agreement(
+        agreement = Agreement(
             generation, newest, source=int((info[0] == newest).nonzero()[0]),
             behind=[r for r in range(world) if info[0, r] < newest], versions=sharded.Versions(*info[:4].tolist()),
             previous_world=previous_world, previous_ranks=tuple(info[4].tolist()), ring=ring)

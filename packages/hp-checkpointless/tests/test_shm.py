@@ -52,7 +52,7 @@ def test_the_in_place_flag_is_covered_by_the_header_checksum():
 
 
 def test_a_rank_behind_hydrates_from_the_lowest_up_to_date_rank_of_its_node():
-    from hp.checkpointless.hydration import Agreement
+    from hp.checkpointless.agreement import Agreement
     from hp.checkpointless.sharded import Versions
 
     v = Versions([5] * 6, [-1] * 6, [-1] * 6, [-1] * 6)

@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.api import CheckpointException
 
 from hp.checkpointless import hydration, ladder, membership, replicas, sharded, shm, state
+from hp.checkpointless.agreement import Agreement
 from hp.checkpointless.events import EventLog
 from hp.checkpointless.group import GroupLink
 from hp.checkpointless.recovery import CollectiveError, JobEnded, RecoveryMachine
@@ -287,7 +288,7 @@ class Formation:
             ring = tuple(held.tolist())
         # behind: older than the newest step, or at it with state for another world size (a rank whose
         # last formation succeeded where a peer's failed applied on_scale alone): both take the source's
-        agreement = hydration.Agreement(
+        agreement = Agreement(
             plan.generation, newest, source=source,
             behind=[r for r in range(plan.world_size) if info[0, r] < newest or info[9, r] != info[9, source]],
             versions=sharded.Versions(*info[:4].tolist()), previous_world=previous_world,

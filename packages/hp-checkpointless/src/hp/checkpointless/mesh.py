@@ -7,7 +7,7 @@ mesh hp hands out (:meth:`hp.checkpointless.Context.device_mesh`) is made of :cl
 process group objects that hold no connection themselves and forward every collective to the group
 of the current generation (torchft's reconfigurable groups do the same). Forming a generation binds
 them, one group per mesh dimension, made by the transport among that group's members only
-(:meth:`hp.core.transport.TransportBackend.new_subgroup`); releasing it unbinds them first, so that
+(:meth:`hp.core.transport.ProcessGroupTransport.new_subgroup`); releasing it unbinds them first, so that
 FSDP's references keep nothing of a failed group alive (DESIGN.md: destroying a gloo group frees its
 sockets, and releases the peers blocked on them, only once nothing else holds it).
 

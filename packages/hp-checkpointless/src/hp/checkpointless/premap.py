@@ -10,7 +10,7 @@ when the failure comes, that is most of the hydration. So it is done before:
   0600 in a 0700 folder of this user's: pid, fd, size as JSON, sealed with the job token for that file's
   name, :mod:`hp.core.signed_values`), and withdraws the offer once it holds a rank;
 * the two lowest ranks of each node (where a same-node hydration comes from, unless both are behind;
-  :meth:`Agreement.source_for <hp.checkpointless.hydration.Agreement.source_for>`) look at that folder at
+  :meth:`Agreement.source_for <hp.checkpointless.agreement.Agreement.source_for>`) look at that folder at
   every step boundary (one ``stat``; nothing is asked of any server) and map each new offer in a
   background thread; a mapping whose spare is gone is dropped (it would keep the spare's memory alive);
 * the hydration takes the mapping that matches the offer the spare then sends over the group, and the

@@ -36,7 +36,7 @@ from hp.checkpointless.transaction import StepTransaction
 from hp.core.protocol import Event
 
 if TYPE_CHECKING:
-    from hp.checkpointless.hydration import Agreement
+    from hp.checkpointless.agreement import Agreement
 
 Shard = tuple[list[torch.Tensor], list[dict]]  # a partition's parameter values and their optimizer states
 

@@ -26,7 +26,7 @@ _EXPORTS = {
     "spare_key": "hp.core.protocol", "worker_holder": "hp.core.protocol",
     "Capacity": "hp.core.schedulers.api", "SchedulerBackend": "hp.core.schedulers.api",
     "StoreBackend": "hp.core.backends.api", "StoreServer": "hp.core.backends.api",
-    "TransportBackend": "hp.core.transport", "generation_prefix": "hp.core.transport",
+    "TransportBackend": "hp.core.backends.api", "generation_prefix": "hp.core.transport",
     "HealthCheck": "hp.core.backends.api", "DeviceSlots": "hp.core.devices",
     "WorkerContext": "hp.core.worker", "WorkerEnv": "hp.core.worker_env",
     "CONTROLLER_KEY": "hp.core.protocol", "ControllerReplica": "hp.core.leader", "LeaderResolver": "hp.core.leader",

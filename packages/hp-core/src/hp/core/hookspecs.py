@@ -18,10 +18,9 @@ from typing import TYPE_CHECKING
 import pluggy
 
 if TYPE_CHECKING:
-    from hp.core.backends.api import HealthCheck, NodeService, StoreBackend
+    from hp.core.backends.api import HealthCheck, NodeService, StoreBackend, TransportBackend
     from hp.core.scaling import Scaler
     from hp.core.schedulers.api import SchedulerBackend
-    from hp.core.transport import TransportBackend
 
 PROJECT_NAME = "hp"
 hookspec = pluggy.HookspecMarker(PROJECT_NAME)
@@ -33,7 +32,7 @@ def hp_transport_backends() -> list[TransportBackend]:
     """Contribute collective transports (family ``transport``).
 
     A transport creates, aborts and rebuilds the collective process group of one generation
-    (``gloo`` for CPU, ``nccl`` for GPUs). See :class:`hp.core.transport.TransportBackend`.
+    (``gloo`` for CPU, ``nccl`` for GPUs). See :class:`hp.core.backends.api.TransportBackend`.
 
     :return: a list of transport backend instances, each with a unique ``name``.
     """

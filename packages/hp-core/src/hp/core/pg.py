@@ -86,7 +86,7 @@ def destroy_process_group_now(group: Any = None) -> None:
 # ---- forming and aborting a generation's group ----------------------------------------------------------
 def set_timeout(timeout: timedelta, group: Any = None) -> None:
     """Give the collectives of ``group`` (the default one: None) ``timeout``, after it was initialised
-    with a shorter one to bound its first connect (:meth:`hp.core.transport.TransportBackend.init_timeout`).
+    with a shorter one to bound its first connect (:meth:`hp.core.transport.ProcessGroupTransport.init_timeout`).
 
     Private: ``distributed_c10d._set_pg_timeout``; ``init_process_group`` and ``new_group`` take one timeout
     for both and torch has no public setter. Checked against torch 2.13.0."""

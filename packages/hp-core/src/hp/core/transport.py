@@ -13,6 +13,7 @@ from datetime import timedelta
 from typing import TYPE_CHECKING
 
 from hp.core import pg
+from hp.core.backends.api import TransportBackend
 from hp.core.errors import BackendUnavailableError
 from hp.core.hookspecs import hookimpl
 
@@ -25,22 +26,8 @@ def generation_prefix(generation: int) -> str:
     return f"hp/g{generation}/"
 
 
-class TransportBackend:
-    """Base class of transports. Subclasses set ``name`` and ``torch_backend``."""
-
-    name: str = ""
-    torch_backend: str = ""
-
-    def check_available(self) -> None:
-        """Raise :class:`BackendUnavailableError` (a clear one-liner) if this machine cannot run it."""
-
-    def env_defaults(self) -> dict[str, str]:
-        """Environment variables the agent sets for workers unless the user already set them."""
-        return {}
-
-    def device_for(self, local_rank: int) -> str:
-        """The torch device a worker with ``local_rank`` should compute on."""
-        return "cpu"
+class ProcessGroupTransport(TransportBackend):
+    """What gloo and nccl share: a torch.distributed default group per generation on a prefixed store."""
 
     def init_process_group(
         self,
@@ -91,11 +78,6 @@ class TransportBackend:
             pg.set_timeout(timeout, group)
         return group
 
-    def init_timeout(self, timeout: timedelta, connect_timeout: timedelta | None) -> timedelta:
-        """The timeout to initialise the group with so that a first connect waits at most
-        ``connect_timeout``. A backend that connects lazily (nccl) initialises with ``timeout``."""
-        return timeout
-
     def abort(self) -> None:
         """Tear down the default process group of a failed generation so that peers blocked in
         one of its collectives are released. For gloo that takes destroying the group: it closes the
@@ -108,7 +90,7 @@ class TransportBackend:
             pg.destroy_process_group_now()
 
 
-class GlooTransport(TransportBackend):
+class GlooTransport(ProcessGroupTransport):
     """CPU collectives over TCP. ``GLOO_SOCKET_IFNAME`` picks the interface across namespaces."""
 
     name = "gloo"
@@ -151,7 +133,7 @@ EFA_ENV_DEFAULTS = {
 }
 
 
-class NcclTransport(TransportBackend):
+class NcclTransport(ProcessGroupTransport):
     """GPU collectives. One GPU per local rank; EFA-friendly defaults where EFA is present. The group
     has a gloo half for host tensors (torch's ``cpu:gloo,cuda:nccl``): the commit vote, the agreement
     after a re-form and hydration's flat buffers are host tensors. Run on one GPU (one rank: README, "What

@@ -120,6 +120,7 @@ def _worker(rank: int, port: int, out: Path, cfg: HydrateBenchConfig) -> None:
     import torch.distributed as dist
 
     from hp.checkpointless import hydration, shm
+    from hp.checkpointless.agreement import Agreement
     from hp.checkpointless.premap import Premaps
     from hp.checkpointless.demo.model import build_model
     from hp.checkpointless.events import EventLog
@@ -176,7 +177,7 @@ def _worker(rank: int, port: int, out: Path, cfg: HydrateBenchConfig) -> None:
                     premaps.poll()
                     if premaps.wait_mapped(60) != 1:
                         raise RuntimeError("the spare's offered buffer was not mapped")
-            a = hydration.Agreement(1, 0, source=0, behind=[1], versions=Versions([0, -1], [-1] * 2, [-1] * 2, [-1] * 2),
+            a = Agreement(1, 0, source=0, behind=[1], versions=Versions([0, -1], [-1] * 2, [-1] * 2, [-1] * 2),
                                     nodes=(0, 1) if mode == "tcp" else (0, 0))
             gc.collect()  # the last repeat's state is garbage here (a spare collects while it waits: Formation)
             dist.barrier()

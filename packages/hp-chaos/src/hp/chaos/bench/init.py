@@ -4,7 +4,7 @@ N real processes (forked from this one once it has imported torch, each on its o
 barrier; the clock starts when they are released and stops when ``init_process_group("gloo")`` has
 returned on every rank (the latest rank's return). Import time is outside the span; creating or
 connecting to the store is inside it, as it is in a job. Each rank forms the group the way an hp
-worker does (:meth:`hp.core.transport.TransportBackend.init_process_group`: generation-prefixed
+worker does (:meth:`hp.core.transport.ProcessGroupTransport.init_process_group`: generation-prefixed
 store, gloo on CPU), then checks it with one ``all_reduce`` (not timed). Variants:
 
 - ``tcpstore``: the classic ``torchrun``/``env://`` way: rank 0's process hosts a ``TCPStore`` (on

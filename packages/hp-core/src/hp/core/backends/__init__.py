@@ -1,7 +1,7 @@
 """The contracts of hp-core's backend families (:mod:`hp.core.backends.api`)."""
 
 from hp.core.backends.api import (HealthCheck, NodeContext, NodeService, RunningService, ServiceError, StoreBackend,
-                                  StoreServer)
+                                  StoreServer, TransportBackend)
 
 __all__ = ["HealthCheck", "NodeContext", "NodeService", "RunningService", "ServiceError", "StoreBackend",
-           "StoreServer"]
+           "StoreServer", "TransportBackend"]

@@ -53,6 +53,47 @@ class StoreBackend:
 
 
 
+# ---- transport (family ``transport``) ----------------------------------------------------------
+class TransportBackend:
+    """A collective transport (family ``transport``): builds the process group of one generation and tears
+    a failed one down. Subclasses set ``name`` and ``torch_backend``; the built-ins share
+    :class:`hp.core.transport.ProcessGroupTransport`."""
+
+    name: str = ""
+    torch_backend: str = ""
+
+    def check_available(self) -> None:
+        """Raise :class:`hp.core.errors.BackendUnavailableError` (a clear one-liner) if this machine cannot run it."""
+
+    def env_defaults(self) -> dict[str, str]:
+        """Environment variables the agent sets for workers unless the user already set them."""
+        return {}
+
+    def device_for(self, local_rank: int) -> str:
+        """The torch device a worker with ``local_rank`` should compute on."""
+        return "cpu"
+
+    def init_process_group(self, store: dist.Store, rank: int, world_size: int, generation: int,
+                           timeout: timedelta = timedelta(minutes=10), connect_timeout: timedelta | None = None) -> None:
+        """Initialise the default process group of ``generation`` on a generation-prefixed store; its
+        collectives time out after ``timeout``; ``connect_timeout`` bounds the wait for a peer that never connects."""
+        raise NotImplementedError
+
+    def new_subgroup(self, ranks: list[int], timeout: timedelta = timedelta(minutes=10),
+                     connect_timeout: timedelta | None = None) -> dist.ProcessGroup:
+        """A process group of ``ranks`` inside the current default group (one dimension of a device mesh)."""
+        raise NotImplementedError
+
+    def init_timeout(self, timeout: timedelta, connect_timeout: timedelta | None) -> timedelta:
+        """The timeout to initialise the group with so that a first connect waits at most ``connect_timeout``."""
+        return timeout
+
+    def abort(self) -> None:
+        """Tear down the default process group of a failed generation so that peers blocked in one of its
+        collectives are released."""
+        raise NotImplementedError
+
+
 # ---- health (family ``health``) --------------------------------------------------------------
 class HealthCheck:
     """Base class: ``name``, which devices it is for, and the check (no collectives: peers are re-forming)."""
