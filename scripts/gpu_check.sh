@@ -46,6 +46,11 @@ say "== machine"
 (nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader; nproc
  "$PY" -c 'import torch, sys; print("python", sys.version.split()[0], "torch", torch.__version__, "cuda", torch.version.cuda,
           "nccl", torch.cuda.nccl.version() if torch.cuda.is_available() else None)') >>"$LOG" 2>&1
+# hp's dependencies that the lent machine's python lacks come as wheels in wheels/ (git-ignored; carry it:
+#   pip download "setproctitle>=1.3" --only-binary=:all: --python-version 3.12 --platform manylinux2014_x86_64 -d wheels)
+if compgen -G "wheels/*.whl" >/dev/null; then
+  "$PY" -m pip install -q --no-deps --no-index --target "$SITE" wheels/*.whl >>"$LOG" 2>&1 || say "wheels/ failed to install"
+fi
 "$PY" -m pip install -q --no-deps --no-build-isolation --no-index --target "$SITE" packages/hp-core \
   packages/hp-checkpointless packages/hp-elastic packages/hp-tiered-ckpt packages/hp-chaos >>"$LOG" 2>&1 || {
   say "install failed"
