@@ -143,7 +143,7 @@ def test_pods_commands_parse_with_hps_own_cli(name):
             args = parser.parse_args(["run", "--node-rank", "0", *command[4:]])
             assert args.nnodes == cfg.nnodes and args.nproc_per_node == cfg.nproc_per_node
             assert args.rdzv_endpoint == f"{cfg.name}-controller.{cfg.namespace}.svc:29400" and args.external_controller
-            assert args.grace_period == cfg.grace_period_s and args.module == cfg.module
+            assert args.grace_period_s == cfg.grace_period_s and args.module == cfg.module
             assert args.entrypoint == cfg.entrypoint and args.args == cfg.args
             assert (args.scaling_policy is not None) == (cfg.max_nodes is not None)
 

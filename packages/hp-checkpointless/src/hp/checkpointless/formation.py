@@ -73,8 +73,8 @@ class Formation:
             except membership.JobFinished as e:
                 self._left(plan, -1, e)
             except sharded.ShardLost as e:  # a mesh this generation cannot shard (a RuntimeError: not retried)
-                self.report("unrecoverable", str(e))
-                raise JobEnded(f"hp: {e}") from None
+                minimum = self._retry = self._unformable(plan, e)
+                on_slow = None
             except (CollectiveError, membership.Superseded, RuntimeError) as e:
                 self._failed(plan, e)
                 message = f"forming generation {plan.generation} failed: {e}"  # see reform
@@ -142,19 +142,31 @@ class Formation:
         if st.sharded is None and st.fsdp is None and self.rank == 0:
             self._publish(STATE_NBYTES_KEY, str(state.wire_nbytes(st.capture())))
 
-    def report(self, reason: str, message: str) -> None:
-        """Tell the controller this rank failed (``reason``: exception, collective, unrecoverable)."""
+    def report(self, reason: str, message: str) -> bool:
+        """Tell the controller this rank failed (``reason``: exception, collective, unrecoverable). False when
+        the report was refused as stale: the job has already moved to a newer generation."""
         try:
             answer = self._controller.call(Verb.RANK_FAILED, {
                 "node_rank": self.node_rank, "generation": self._machine.generation, "rank": self.rank,
                 "holder": self.holder, "reason": reason, "message": message[:500]})
         except ControlPlaneError as e:
             if e.status == 409:
-                return  # someone already moved the job to a newer generation
+                return False  # someone already moved the job to a newer generation
             raise
         if answer.get("action") == FailureAction.EXIT:
             self._events.record(Event.ESCALATED, rank=self.rank, reason=answer.get("reason"))
             raise JobEnded(EXIT_ESCALATED)
+        return True
+
+    def _unformable(self, plan: Plan, error: sharded.ShardLost) -> int:
+        """A generation this rank cannot take part in (a mesh it cannot shard, a shard lost): the job ends with
+        the reason, unless the controller has already moved on to a newer generation (the report is refused
+        as stale), which may well be formable (a replacement joined back): then that one is tried. Returns
+        the next generation to wait for."""
+        if self.report("unrecoverable", str(error)):
+            raise JobEnded(f"hp: {error}") from None
+        self._failed(plan, error)
+        return plan.generation + 1
 
     def reform(self, st: TrainingState, tx: StepTransaction, minimum: int,
                on_slow: Callable[[], None] | None = None) -> None:
@@ -177,8 +189,7 @@ class Formation:
             except membership.JobFinished as e:  # a joiner of a grow decided during the last steps
                 self._left(plan, st.committed, e)
             except sharded.ShardLost as e:
-                self.report("unrecoverable", str(e))
-                raise JobEnded(f"hp: {e}") from None
+                minimum, on_slow = self._unformable(plan, e), None
             except (CollectiveError, membership.Superseded, state.StateTransferError, RuntimeError) as e:
                 self._failed(plan, e)
                 # a dead peer is reported by its agent; a failure every process survived (every rank
