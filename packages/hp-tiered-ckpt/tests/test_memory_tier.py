@@ -62,7 +62,10 @@ def test_dead_peer_mid_transfer_leaves_existing_copies_intact(daemons, token):
     _put(node, token, 1, good)
     _put(node, token, 1, os.urandom(3 << 20), send=1 << 20)  # same step, peer dies after 1 MiB
     _put(node, token, 2, os.urandom(3 << 20), send=1 << 20)  # a new step, peer dies after 1 MiB
-    wait_for(lambda: "peer closed the connection" in node.output(), 30, "the daemon to notice the dead peer")
+    # both dead peers noticed: each connection removes its partial file before it logs (fc: waiting for
+    # the first message alone found the second peer's partial file still there)
+    died = "put failed: peer closed the connection"
+    wait_for(lambda: node.output().count(died) >= 2, 30, "the daemon to notice both dead peers")
     assert node.client.fetch("job", 1, 0, 0, len(good)) == good
     assert [s["step"] for s in node.client.steps("job")] == [1]
     assert not list(node.root.rglob("*.partial*"))

@@ -218,12 +218,21 @@ def _stager():
     return DefaultStager(StagingOptions(**STAGING_OPTIONS))
 
 
+def _dcp_writer(path: str):
+    """DCP's own fsspec writer on a filesystem instance of its own: fsspec caches instances
+    process-wide by their arguments, and one made here from the environment's S3 endpoint would be
+    handed to any later plain ``FsspecReader``/``Writer`` in the same process after that endpoint is
+    gone (CI of stop 41: a test run after this bench, in process, read from its stopped server)."""
+    from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
+
+    return FsspecWriter(path, skip_instance_cache=True)
+
+
 def _dcp_async(sd, stager, path: str) -> tuple[float, float]:
     """(seconds ``async_save`` blocked, seconds until its future was done)."""
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 
-    writer = FsspecWriter(path)
+    writer = _dcp_writer(path)
     t0 = time.perf_counter()
     fut = dcp.async_save(sd, storage_writer=writer, async_stager=stager)
     stall = time.perf_counter() - t0
@@ -265,7 +274,6 @@ def run_bench(params: float, saves: int, url: str, workdir: Path, log=print, rou
     save, one DCP sync save and one raw s3fs write. See the module docstring for the definitions."""
     run = BenchRun("ckpt", DEFINITION_VERSION)
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint._fsspec_filesystem import FsspecWriter
 
     from hp.tiered_ckpt.persist import open_fs
 
@@ -370,7 +378,7 @@ def run_bench(params: float, saves: int, url: str, workdir: Path, log=print, rou
 
             mark("dcp_sync_start", round=r)
             t0 = time.perf_counter()
-            dcp.save(sd, storage_writer=FsspecWriter(f"{url}/dcp/r{r}/sync"))
+            dcp.save(sd, storage_writer=_dcp_writer(f"{url}/dcp/r{r}/sync"))
             sync_s.append(time.perf_counter() - t0)
             mark("dcp_sync_done", round=r)
 
