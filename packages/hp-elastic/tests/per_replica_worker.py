@@ -18,9 +18,11 @@ import torch.nn.functional as F
 
 from hp.checkpointless import StepLoader, StepSampler, recoverable
 from hp.core.protocol import SCALING_POLICY_ENV
+from hp.core.worker_env import WorkerEnv
 from hp.elastic import ScalingPolicy, on_scale_lr
 
 FEATURES = 6
+REPLACEMENT_START_S = 2.0
 
 
 class Indexed(torch.utils.data.Dataset):
@@ -68,4 +70,9 @@ def main(ctx) -> None:
 
 
 if __name__ == "__main__":
+    if WorkerEnv.from_env().spare_id is not None:
+        # the process that takes the freed slot starts as a new process would on a cluster (seconds, not
+        # the fork server's milliseconds): the job must train at 3 first (fc17: a replacement ready in 25 ms
+        # superseded the shrink before it formed, and the job went 4 -> 4)
+        time.sleep(REPLACEMENT_START_S)
     main()
