@@ -16,7 +16,6 @@ import torch
 from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner
 from torch.distributed.checkpoint.storage import StorageReader
-from torch.distributed._shard._utils import narrow_tensor_by_index
 
 from hp.core.errors import HpError
 from hp.tiered_ckpt import fmt
@@ -183,7 +182,8 @@ class TieredReader(StorageReader):
                 planner.load_bytes(req, _safe_bytes(data, req.storage_index.fqn))
                 continue
             tensor = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
-            tensor = narrow_tensor_by_index(tensor, req.storage_offsets, req.lengths)
+            for dim, (offset, length) in enumerate(zip(req.storage_offsets, req.lengths)):
+                tensor = tensor.narrow(dim, offset, length)  # the requested chunk of the saved tensor
             target = planner.resolve_tensor(req).detach()
             if target.size() != tensor.size():
                 raise CheckpointCorruptError(f"{req.storage_index.fqn}: size {tuple(tensor.size())} in the "

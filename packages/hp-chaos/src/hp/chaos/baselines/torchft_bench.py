@@ -53,7 +53,7 @@ def available() -> str | None:
     if importlib.util.find_spec("torchft") is None:
         return "torchft not installed (pip install 'hp-chaos[torchft]')"
     try:
-        from torchft._torchft import LighthouseServer  # noqa: F401
+        from torchft.coordination import LighthouseServer  # noqa: F401
     except Exception as e:  # noqa: BLE001  a wheel broken against this torch is as good as none
         return f"torchft does not import: {type(e).__name__}: {e}"
     return None
@@ -79,7 +79,7 @@ class Lighthouse:
     and it dies with the bench (it exits when its stdin, our pipe, closes)."""
 
     def __init__(self, log_path: str, min_replicas: int, heartbeat_timeout_ms: int) -> None:
-        code = ("import sys; from torchft._torchft import LighthouseServer; "
+        code = ("import sys; from torchft.coordination import LighthouseServer; "
                 f"s = LighthouseServer(bind='127.0.0.1:0', min_replicas={min_replicas}, "
                 f"join_timeout_ms={JOIN_TIMEOUT_MS}, quorum_tick_ms={QUORUM_TICK_MS}, "
                 f"heartbeat_timeout_ms={heartbeat_timeout_ms}); "
